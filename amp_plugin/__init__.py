@@ -1,0 +1,39 @@
+"""amp_plugin: automatic mixed precision for PyTorch Lightning that long runs can trust.
+
+``import amp_plugin`` imports neither Lightning nor Apex and does not initialise CUDA.
+The Lightning pieces (:class:`AMPPrecision`, :class:`LossScaleMonitor`) load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from amp_plugin.autocast import AutocastDataParallel, autocast_state, propagate_autocast
+from amp_plugin.kernels import get_kernels
+from amp_plugin.scaler import LossScaler
+
+if TYPE_CHECKING:
+    from amp_plugin.callbacks import LossScaleMonitor
+    from amp_plugin.plugin import AMPPrecision
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AMPPrecision",
+    "AutocastDataParallel",
+    "LossScaleMonitor",
+    "LossScaler",
+    "autocast_state",
+    "get_kernels",
+    "propagate_autocast",
+]
+
+_LAZY = {"AMPPrecision": "amp_plugin.plugin", "LossScaleMonitor": "amp_plugin.callbacks"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'amp_plugin' has no attribute {name!r}")

@@ -1,0 +1,82 @@
+"""Kernel backends behind one small interface, chosen lazily.
+
+``get_kernels("torch")`` always works. ``get_kernels("apex")`` needs NVIDIA Apex's
+compiled ``amp_C`` extension and CUDA tensors. ``get_kernels("auto", device)`` picks
+Apex for a CUDA device when ``amp_C`` imports, else torch. Importing this package never
+imports Apex.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+
+from amp_plugin import _imports
+from amp_plugin.kernels.base import Kernels
+
+__all__ = ["BACKENDS", "Backend", "Kernels", "get_kernels"]
+
+Backend = Literal["auto", "torch", "apex"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "apex")
+
+
+def check_backend(backend: object) -> Backend:
+    """Validate a backend name; raise ``ValueError`` naming the allowed values."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"kernels={backend!r} is not a kernel backend; allowed: {', '.join(map(repr, BACKENDS))}. "
+            "HINT: use 'auto' to take Apex amp_C on CUDA when it is installed and torch otherwise."
+        )
+    return backend  # type: ignore[return-value]
+
+
+def get_kernels(backend: Backend = "auto", device: torch.device | str | None = None) -> Kernels:
+    """Return the kernel backend for ``backend`` on ``device``.
+
+    Args:
+        backend: ``"torch"``, ``"apex"`` or ``"auto"``.
+        device: where the tensors live; ``"auto"`` only picks Apex for CUDA devices.
+
+    Raises:
+        ValueError: unknown backend name.
+        RuntimeError: ``"apex"`` requested but ``amp_C`` does not import, or the device is not CUDA.
+
+    Example:
+        >>> from amp_plugin.kernels import get_kernels
+        >>> get_kernels("auto", "cpu").name
+        'torch'
+    """
+    backend = check_backend(backend)
+    device_type = torch.device(device).type if device is not None else None
+    if backend == "auto":
+        use_apex = device_type == "cuda" and _imports.apex_available()
+        return _apex() if use_apex else _torch()
+    if backend == "apex":
+        if not _imports.apex_available():
+            raise RuntimeError(
+                f"kernels='apex' was requested but NVIDIA Apex `amp_C` is not importable "
+                f"({_imports.apex_error()}). HINT: {_imports.APEX_HINT} Or pass kernels='auto'."
+            )
+        if device_type not in (None, "cuda"):
+            raise RuntimeError(
+                f"kernels='apex' runs CUDA tensors only, but the tensors are on {device_type!r}. "
+                "HINT: pass kernels='auto' to use the torch kernels off CUDA."
+            )
+        return _apex()
+    return _torch()
+
+
+@functools.cache
+def _torch() -> Kernels:
+    from amp_plugin.kernels.torch import TorchKernels
+
+    return TorchKernels()
+
+
+@functools.cache
+def _apex() -> Kernels:
+    from amp_plugin.kernels.apex import ApexKernels
+
+    return ApexKernels()

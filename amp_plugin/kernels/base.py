@@ -1,0 +1,67 @@
+"""The contract every kernel backend fulfils.
+
+The scaler and the clipping code need only four multi-tensor operations. A backend
+implements them for lists of dense gradient tensors that may mix devices and dtypes
+and may contain zero-numel tensors; the backend groups and filters as its launchers
+require. None of the operations synchronises the host with the device.
+
+Semantics (identical for every backend; the torch backend is the oracle in tests):
+
+``unscale_(tensors, inv_scale, found_inf)``
+    Multiply every tensor in place by ``inv_scale`` (an fp32 scalar tensor), with the
+    product computed in fp32 and rounded once to the tensor's dtype. If any *input*
+    element is inf or NaN, write ``1.0`` into ``found_inf`` (an fp32 scalar tensor).
+    ``found_inf`` is never reset: the caller zeroes it. Bit-identical to
+    ``torch._amp_foreach_non_finite_check_and_unscale_``.
+
+``norm(tensors, norm_type)``
+    The total ``norm_type``-norm of all tensors together, accumulated and returned in
+    fp32 (an fp16 gradient norm above 65504 is finite here), as a 0-dim tensor on the
+    device of the first tensor (CPU when the list is empty, where it is 0). Any inf or
+    NaN input makes the result non-finite, so a norm doubles as an inf check.
+
+``mul_(tensors, factor)``
+    Multiply every tensor in place by ``factor`` (an fp32 scalar tensor on any device),
+    in fp32 math, rounded once to the tensor's dtype.
+
+``unscale_norm_(tensors, inv_scale, found_inf, norm_type)``
+    ``unscale_`` followed by ``norm`` of the unscaled values. A backend may fuse the
+    two into one pass over the data; results then agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = ["Kernels", "group_by_device_and_dtype"]
+
+
+@runtime_checkable
+class Kernels(Protocol):
+    """Multi-tensor operations used by :class:`~amp_plugin.LossScaler` and clipping."""
+
+    name: str
+
+    def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None: ...
+
+    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor: ...
+
+    def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None: ...
+
+    def unscale_norm_(
+        self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float = 2.0
+    ) -> Tensor: ...
+
+
+def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """Group tensors by ``(device, dtype)`` in first-seen order, dropping zero-numel ones."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        if tensor.numel():
+            groups[(tensor.device, tensor.dtype)].append(tensor)
+    return dict(groups)
