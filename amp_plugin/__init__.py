@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from amp_plugin.kernels import get_kernels
+from amp_plugin.scaler import LossScaler
 
 if TYPE_CHECKING:
     from amp_plugin.callbacks import LossScaleMonitor
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AMPPrecision",
     "LossScaleMonitor",
+    "LossScaler",
     "get_kernels",
 ]
 

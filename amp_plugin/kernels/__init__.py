@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
-import torch
+# Not `import torch`: importing the submodule `amp_plugin.kernels.torch` rebinds that name here.
+from torch import device as Device
 
 from amp_plugin import _imports
 from amp_plugin.kernels.base import Kernels
@@ -32,7 +33,7 @@ def check_backend(backend: object) -> Backend:
     return backend  # type: ignore[return-value]
 
 
-def get_kernels(backend: Backend = "auto", device: torch.device | str | None = None) -> Kernels:
+def get_kernels(backend: Backend = "auto", device: Device | str | None = None) -> Kernels:
     """Return the kernel backend for ``backend`` on ``device``.
 
     Args:
@@ -49,10 +50,10 @@ def get_kernels(backend: Backend = "auto", device: torch.device | str | None = N
         'torch'
     """
     backend = check_backend(backend)
-    device_type = torch.device(device).type if device is not None else None
+    device_type = Device(device).type if device is not None else None
     if backend == "auto":
         use_apex = device_type == "cuda" and _imports.apex_available()
-        return _apex() if use_apex else _torch()
+        return _apex_backend() if use_apex else _torch_backend()
     if backend == "apex":
         if not _imports.apex_available():
             raise RuntimeError(
@@ -64,19 +65,19 @@ def get_kernels(backend: Backend = "auto", device: torch.device | str | None = N
                 f"kernels='apex' runs CUDA tensors only, but the tensors are on {device_type!r}. "
                 "HINT: pass kernels='auto' to use the torch kernels off CUDA."
             )
-        return _apex()
-    return _torch()
+        return _apex_backend()
+    return _torch_backend()
 
 
 @functools.cache
-def _torch() -> Kernels:
+def _torch_backend() -> Kernels:
     from amp_plugin.kernels.torch import TorchKernels
 
     return TorchKernels()
 
 
 @functools.cache
-def _apex() -> Kernels:
+def _apex_backend() -> Kernels:
     from amp_plugin.kernels.apex import ApexKernels
 
     return ApexKernels()

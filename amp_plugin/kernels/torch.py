@@ -54,9 +54,10 @@ class TorchKernels:
                 ).to(first, non_blocking=True)
                 for group in groups.values()
             ]
-            if len(partial) == 1:
-                return partial[0]
-            return torch.linalg.vector_norm(torch.stack(partial), norm_type)
+            total: Tensor = (
+                partial[0] if len(partial) == 1 else torch.linalg.vector_norm(torch.stack(partial), norm_type)
+            )
+            return total
 
     def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
         with torch.no_grad():

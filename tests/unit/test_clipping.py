@@ -1,0 +1,171 @@
+"""Clipping acts on unscaled gradients on every path; torch's unscale_ + clip_grad_norm_ is the oracle."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from amp_plugin import LossScaler
+from amp_plugin.clipping import clip_grad_norm_, gradients
+from amp_plugin.kernels import get_kernels
+
+SCALE = 2.0**12
+
+
+def _setup(fused: bool = False, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model[0].bias.requires_grad_(False)  # a parameter without a gradient
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    return model, opt
+
+
+def _backward(scaler: Any, model: nn.Module, poison: bool = False) -> None:
+    torch.manual_seed(1)
+    scaler.scale(model(torch.randn(5, 8)).pow(2).sum() * 50).backward()
+    if poison:
+        model[2].weight.grad[1, 1] = float("inf")
+
+
+def _reference(max_norm: float, norm_type: float, fused: bool = False) -> tuple[nn.Module, torch.Tensor]:
+    model, opt = _setup(fused)
+    ref = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    _backward(ref, model)
+    ref.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    ref.step(opt)
+    ref.update()
+    return model, norm
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipping active, and a no-op
+def test_fast_path_matches_unscale_then_clip(norm_type: float, max_norm: float) -> None:
+    ref_model, ref_norm = _reference(max_norm, norm_type)
+    model, opt = _setup()
+    scaler = LossScaler(init_scale=SCALE)
+    _backward(scaler, model)
+    norm = scaler.clip_grad_norm_(opt, max_norm, norm_type)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+    scaler.step(opt)
+    scaler.update()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_folded_fused_path_matches_unscale_then_clip() -> None:
+    ref_model, ref_norm = _reference(0.5, 2.0, fused=True)
+    model, opt = _setup(fused=True)
+    scaler = LossScaler(init_scale=SCALE)
+    _backward(scaler, model)
+    grads_before = [g.clone() for g in gradients(opt.param_groups)]
+    norm = scaler.clip_grad_norm_(opt, 0.5)
+    for g, before in zip(gradients(opt.param_groups), grads_before, strict=True):
+        assert torch.equal(g, before)  # folded: no pass over the gradients
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+    scaler.step(opt)
+    scaler.update()
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_plain_path_after_unscale_is_bit_identical(fused: bool) -> None:
+    ref_model, ref_norm = _reference(0.5, 2.0, fused=fused)
+    model, opt = _setup(fused=fused)
+    scaler = LossScaler(init_scale=SCALE)
+    _backward(scaler, model)
+    scaler.unscale_(opt)
+    norm = scaler.clip_grad_norm_(opt, 0.5)
+    assert torch.equal(norm, ref_norm)
+    scaler.step(opt)
+    scaler.update()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_overflowing_step_is_still_skipped_after_clipping(fused: bool, unscale_first: bool) -> None:
+    model, opt = _setup(fused=fused)
+    before = copy.deepcopy(model.state_dict())
+    scaler = LossScaler(init_scale=SCALE)
+    _backward(scaler, model, poison=True)
+    if unscale_first:
+        scaler.unscale_(opt)
+    norm = scaler.clip_grad_norm_(opt, 0.5)
+    assert not torch.isfinite(norm)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.get_scale() == SCALE / 2
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert opt.state_dict()["state"] == {} or all(
+        int(s["step"]) == 0 for s in opt.state_dict()["state"].values()
+    )
+
+
+def test_clipping_twice_composes() -> None:
+    model, opt = _setup(fused=True)
+    scaler = LossScaler(init_scale=SCALE)
+    _backward(scaler, model)
+    first = scaler.clip_grad_norm_(opt, 2.0)
+    second = scaler.clip_grad_norm_(opt, 0.5)
+    assert first > 2.0
+    torch.testing.assert_close(second, torch.tensor(2.0), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("fold_first", [False, True])
+def test_clip_grad_value_acts_on_unscaled_gradients(fold_first: bool) -> None:
+    model, opt = _setup(fused=fold_first)
+    ref_model, ref_opt = _setup(fused=fold_first)
+    scaler, ref = LossScaler(init_scale=SCALE), torch.amp.GradScaler("cpu", init_scale=SCALE)
+    _backward(scaler, model)
+    _backward(ref, ref_model)
+    ref.unscale_(ref_opt)
+    if fold_first:
+        scaler.clip_grad_norm_(opt, 1e6)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e6)
+    scaler.clip_grad_value_(opt, 0.01)
+    torch.nn.utils.clip_grad_value_(ref_model.parameters(), 0.01)
+    for g, r in zip(gradients(opt.param_groups), gradients(ref_opt.param_groups), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=0)
+    assert max(g.abs().max().item() for g in gradients(opt.param_groups)) == pytest.approx(0.01)
+
+
+def test_error_if_nonfinite() -> None:
+    model, opt = _setup()
+    scaler = LossScaler(init_scale=SCALE)
+    _backward(scaler, model, poison=True)
+    with pytest.raises(RuntimeError, match=r"non-finite.*HINT"):
+        scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
+
+
+def test_disabled_scaler_clips_like_torch() -> None:
+    model, opt = _setup()
+    ref_model, _ = _setup()
+    _backward(LossScaler(enabled=False), model)
+    _backward(LossScaler(enabled=False), ref_model)
+    norm = LossScaler(enabled=False).clip_grad_norm_(opt, 0.5)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+    assert torch.equal(norm, ref_norm)
+
+
+def test_clip_function_on_fp16_gradients_keeps_fp32_norm() -> None:
+    grads = [torch.full((100,), 60000.0, dtype=torch.float16)]
+    result = clip_grad_norm_(get_kernels("torch"), grads, 1.0, grad_scale=torch.tensor(2.0**16))
+    assert result.total_norm.dtype == torch.float32 and torch.isfinite(result.total_norm)
+    assert result.found_inf.item() == 0.0
+    torch.testing.assert_close(grads[0].float().norm(), torch.tensor(1.0), rtol=2e-3, atol=0)
+
+
+def test_sparse_gradients_are_rejected() -> None:
+    emb = nn.Embedding(4, 2, sparse=True)
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(TypeError, match=r"sparse.*HINT"):
+        gradients([{"params": list(emb.parameters())}])

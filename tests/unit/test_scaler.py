@@ -1,0 +1,389 @@
+"""LossScaler against torch.amp.GradScaler as the oracle, plus its own policies and errors."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from amp_plugin import LossScaler
+from amp_plugin.scaler import unwrap_optimizer
+
+OptFactory = Callable[[Any], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, OptFactory] = {
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+}
+POISON = (float("inf"), float("-inf"), float("nan"))
+
+
+def _two_part_model() -> nn.ModuleDict:
+    return nn.ModuleDict(
+        {"a": nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)), "b": nn.Linear(4, 1)}
+    )
+
+
+def _poison(grads: list[torch.Tensor], rng: random.Random) -> None:
+    where = rng.choice(("first", "last", "middle"))
+    value = rng.choice(POISON)
+    if where == "first":
+        grads[0].view(-1)[0] = value
+    elif where == "last":
+        grads[-1].view(-1)[-1] = value
+    else:
+        mid = grads[len(grads) // 2].view(-1)
+        mid[mid.numel() // 2] = value
+
+
+def _run(scaler: Any, opt_factory: OptFactory, steps: int, seed: int = 0) -> dict[str, Any]:
+    """Train a two-optimizer model with 2 micro-batches per step and injected overflows."""
+    torch.manual_seed(seed)
+    model = _two_part_model()
+    opts = [opt_factory(model["a"].parameters()), opt_factory(model["b"].parameters())]
+    rng = random.Random(seed)
+    data = torch.randn(steps, 2, 5, 6)
+    scales = []
+    for step in range(steps):
+        for micro in range(2):
+            loss = model["b"](model["a"](data[step, micro])).pow(2).mean()
+            scaler.scale(loss).backward()
+        if rng.random() < 0.15:
+            _poison([p.grad for p in model[rng.choice("ab")].parameters()], rng)
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+    return {"model": model, "opts": opts, "scales": scales}
+
+
+def _assert_bit_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["scales"] == b["scales"]
+    for pa, pb in zip(a["model"].parameters(), b["model"].parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    for oa, ob in zip(a["opts"], b["opts"], strict=True):
+        for sa, sb in zip(oa.state.values(), ob.state.values(), strict=True):
+            assert sa.keys() == sb.keys()
+            for key in sa:
+                assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), key
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_bit_identical_to_torch_grad_scaler(name: str) -> None:
+    kwargs = {"init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 7}
+    ours = LossScaler(**kwargs)
+    theirs = torch.amp.GradScaler("cpu", **kwargs)
+    a, b = _run(ours, OPTIMIZERS[name], 300), _run(theirs, OPTIMIZERS[name], 300)
+    _assert_bit_identical(a, b)
+    assert len(set(a["scales"])) > 3  # the scale both grew and backed off
+    assert 20 < ours.skipped_steps < 80
+    assert ours.total_steps == 300
+
+
+def test_skipped_fused_step_leaves_params_and_state_untouched() -> None:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = LossScaler(init_scale=4.0)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    before = copy.deepcopy((list(model.parameters()), opt.state_dict()))
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    model.weight.grad[0, 0] = float("nan")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.skipped_steps == 1
+    for p, q in zip(model.parameters(), before[0], strict=True):
+        assert torch.equal(p, q)
+    state, old = opt.state_dict()["state"], before[1]["state"]
+    for key in state:
+        for name in state[key]:
+            assert torch.equal(state[key][name], old[key][name]), name
+    assert scaler.get_scale() == 2.0
+
+
+def _scales_for(pattern: str, **kwargs: Any) -> list[float]:
+    """Drive update() with an overflow pattern ('x' overflow, '.' clean); return the scales."""
+    param = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=0.0)
+    scaler = LossScaler(**kwargs)
+    out = []
+    for ch in pattern:
+        scaler.scale(param.sum() + 1.0).backward()
+        if ch == "x":
+            param.grad.fill_(float("inf"))
+        scaler.step(opt)
+        scaler.update()
+        out.append(scaler.get_scale())
+        opt.zero_grad()
+    return out
+
+
+def test_hysteresis_backs_off_only_at_the_hth_overflow_in_a_row() -> None:
+    scales = _scales_for("x.xx.xxxx", init_scale=64.0, hysteresis=2, growth_interval=1000)
+    assert scales == [64, 64, 64, 32, 32, 32, 16, 8, 4]
+
+
+def test_hysteresis_resets_growth_tracker_on_absorbed_overflow() -> None:
+    scales = _scales_for("..x..", init_scale=8.0, hysteresis=3, growth_interval=3)
+    assert scales == [8, 8, 8, 8, 8]  # the absorbed overflow restarts the growth count
+    assert _scales_for("...", init_scale=8.0, hysteresis=3, growth_interval=3) == [8, 8, 16]
+
+
+def test_hysteresis_one_equals_torch_sequence() -> None:
+    assert _scales_for("x.x..", init_scale=64.0, growth_interval=2) == [32, 32, 16, 16, 32]
+
+
+def test_min_and_max_scale_clamp() -> None:
+    assert _scales_for("xxxx", init_scale=8.0, min_scale=2.0) == [4, 2, 2, 2]
+    assert _scales_for("....", init_scale=8.0, growth_interval=1, max_scale=32.0) == [16, 32, 32, 32]
+
+
+def test_static_scaling_keeps_the_scale_but_still_skips() -> None:
+    scaler_scales = _scales_for("x..x", init_scale=8.0, dynamic=False, growth_interval=1)
+    assert scaler_scales == [8, 8, 8, 8]
+
+
+def test_scale_never_grows_to_inf() -> None:
+    assert _scales_for("..", init_scale=2.0**127, growth_interval=1)[-1] == 2.0**127
+
+
+def test_state_dict_round_trip_reproduces_the_trajectory() -> None:
+    kwargs: dict[str, Any] = {"init_scale": 2.0**8, "growth_interval": 5, "hysteresis": 2, "min_scale": 1.0}
+    full = _run(LossScaler(**kwargs), OPTIMIZERS["adam"], 60, seed=3)
+
+    # Run 30 steps, save everything, and continue in fresh objects from the saved state.
+    first = LossScaler(**kwargs)
+    part = _run(first, OPTIMIZERS["adam"], 60, seed=3)  # same seed → same data and poison
+    assert part["scales"] == full["scales"]
+    sd = first.state_dict()
+    resumed = LossScaler()
+    resumed.load_state_dict(sd)
+    assert resumed.state_dict() == sd
+    assert resumed.get_scale() == full["scales"][-1]
+    assert resumed.skipped_steps == first.skipped_steps and resumed.total_steps == 60
+
+
+def test_state_dict_resume_mid_run_bit_identical() -> None:
+    kwargs: dict[str, Any] = {"init_scale": 2.0**8, "growth_interval": 4, "hysteresis": 2}
+    torch.manual_seed(1)
+    model = nn.Linear(4, 1)
+    data = torch.randn(40, 3, 4)
+    poison_at = {3, 4, 11, 25, 26, 27, 33}
+
+    def train(scaler: LossScaler, m: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+        out = []
+        for step in steps:
+            scaler.scale(m(data[step]).pow(2).mean()).backward()
+            if step in poison_at:
+                m.bias.grad.fill_(float("nan"))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            out.append(scaler.get_scale())
+        return out
+
+    m1 = copy.deepcopy(model)
+    o1 = torch.optim.Adam(m1.parameters(), lr=1e-2)
+    s1 = LossScaler(**kwargs)
+    full = train(s1, m1, o1, range(40))
+
+    m2 = copy.deepcopy(model)
+    o2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    s2 = LossScaler(**kwargs)
+    head = train(s2, m2, o2, range(26))  # stop between two overflows absorbed by hysteresis
+    ckpt = copy.deepcopy({"m": m2.state_dict(), "o": o2.state_dict(), "s": s2.state_dict()})
+    m3 = copy.deepcopy(model)
+    m3.load_state_dict(ckpt["m"])
+    o3 = torch.optim.Adam(m3.parameters(), lr=1e-2)
+    o3.load_state_dict(ckpt["o"])
+    s3 = LossScaler()
+    s3.load_state_dict(ckpt["s"])
+    tail = train(s3, m3, o3, range(26, 40))
+    assert head + tail == full
+    for p, q in zip(m1.parameters(), m3.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert s3.skipped_steps == s1.skipped_steps == len(poison_at) and s3.total_steps == 40
+
+
+def test_loads_a_torch_grad_scaler_state_dict() -> None:
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=9)
+    torch_scaler.scale(torch.ones(()))
+    sd = torch_scaler.state_dict()
+    ours = LossScaler()
+    ours.load_state_dict(sd)
+    assert ours.get_scale() == 512.0 and ours.growth_interval == 9
+    assert torch_scaler.state_dict() == {k: ours.state_dict()[k] for k in sd}
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({}, "empty dict comes from a disabled scaler"),
+        ([1, 2], "expected the non-empty dict"),
+        ({"scale": 1.0}, "missing keys"),
+        ({**LossScaler().state_dict(), "weird": 1}, "unknown keys"),
+        ({**LossScaler().state_dict(), "_growth_tracker": -1}, "non-negative int"),
+        ({**LossScaler().state_dict(), "scale": float("nan")}, "init_scale"),
+        ({**LossScaler().state_dict(), "growth_factor": 0.5}, "growth_factor"),
+    ],
+)
+def test_corrupt_state_dict_raises_and_changes_nothing(bad: Any, match: str) -> None:
+    scaler = LossScaler(init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match=match):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == before
+
+
+def test_fp16_loss_is_upcast_before_scaling() -> None:
+    loss = torch.full((4,), 10.0, dtype=torch.float16)
+    scaled = LossScaler().scale(loss)
+    assert scaled.dtype == torch.float32 and torch.isfinite(scaled).all()
+    assert not torch.isfinite(torch.amp.GradScaler("cpu").scale(loss)).all()  # the trap it avoids
+
+
+def test_scale_nested_outputs_and_rejects_others() -> None:
+    scaler = LossScaler(init_scale=2.0)
+    a, (b,) = scaler.scale([torch.ones(()), (torch.ones(()),)])
+    assert a.item() == 2.0 and b.item() == 2.0
+    with pytest.raises(TypeError, match="takes a tensor"):
+        scaler.scale(3.0)
+
+
+class _Wrapper:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def step(self) -> None:
+        self._optimizer.step()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+
+def test_wrapper_and_inner_optimizer_share_one_state() -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=4.0)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    grad = model.weight.grad.clone()
+    scaler.unscale_(_Wrapper(opt))
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+    assert torch.equal(model.weight.grad, grad / 4)  # unscaled once, not twice
+    assert unwrap_optimizer(_Wrapper(opt)) is opt
+
+
+def test_lightning_optimizer_is_unwrapped() -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    assert unwrap_optimizer(LightningOptimizer(opt)) is opt
+
+
+def test_unwrap_rejects_non_optimizers() -> None:
+    with pytest.raises(TypeError, match=r"Expected a torch\.optim\.Optimizer"):
+        unwrap_optimizer(object())
+
+
+def _scaled_backward(scaler: LossScaler) -> torch.optim.Optimizer:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    return opt
+
+
+def test_misuse_errors_name_the_call_and_the_fix() -> None:
+    scaler = LossScaler()
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) was called before scale\(\). HINT"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"update\(\) was called before scale"):
+        scaler.update()
+    opt = _scaled_backward(scaler)
+    with pytest.raises(RuntimeError, match=r"no optimizer's gradients were checked.*HINT"):
+        scaler.update()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called.*HINT"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called.*HINT: call update"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) was called after step"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(\) was called after step"):
+        scaler.clip_grad_norm_(opt, 1.0)
+    with pytest.raises(RuntimeError, match="closure"):
+        scaler.step(opt, closure=lambda: None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"init_scale": 0.0}, r"init_scale=0.0.*> 0"),
+        ({"init_scale": float("inf")}, "init_scale=inf"),
+        ({"growth_factor": 1.0}, r"growth_factor=1.0.*> 1"),
+        ({"backoff_factor": 1.0}, r"backoff_factor=1.0.*\(0, 1\)"),
+        ({"backoff_factor": 0.0}, "backoff_factor=0.0"),
+        ({"growth_interval": 0}, "growth_interval=0"),
+        ({"growth_interval": 2.5}, "growth_interval=2.5"),
+        ({"hysteresis": 0}, r"hysteresis=0.*int >= 1"),
+        ({"min_scale": -1.0}, "min_scale=-1.0"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, "min_scale <= max_scale"),
+        ({"init_scale": 1.0, "min_scale": 2.0}, r"init_scale=1.0.*within"),
+        ({"kernels": "cuda"}, r"kernels='cuda'.*allowed"),
+        ({"sync_found_inf": "yes"}, r"sync_found_inf='yes'"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        LossScaler(**kwargs)
+    assert "HINT" in str(info.value)
+
+
+def test_sync_true_without_process_group_raises() -> None:
+    scaler = LossScaler(sync_found_inf=True)
+    opt = _scaled_backward(scaler)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        scaler.step(opt)
+
+
+def test_update_does_not_sync_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    scaler = LossScaler(hysteresis=2, min_scale=1.0, max_scale=2.0**20)
+    opt = torch.optim.AdamW(nn.Linear(2, 1).parameters(), fused=True)
+    scaler.scale(opt.param_groups[0]["params"][0].sum()).backward()
+
+    def no_sync(self: torch.Tensor) -> Any:
+        raise AssertionError("host sync")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)  # the fused path decides inside the kernel: no sync either
+    scaler.update()
+
+
+def test_disabled_scaler_passes_through() -> None:
+    scaler = LossScaler(enabled=False)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss = model(torch.ones(1, 2)).sum()
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    before = model.weight.detach().clone()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(model.weight, before)
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {} and not scaler.is_enabled()
