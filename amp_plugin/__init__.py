@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from amp_plugin.autocast import AutocastDataParallel, autocast_state, propagate_autocast
 from amp_plugin.kernels import get_kernels
 from amp_plugin.scaler import LossScaler
 
@@ -19,9 +20,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AMPPrecision",
+    "AutocastDataParallel",
     "LossScaleMonitor",
     "LossScaler",
+    "autocast_state",
     "get_kernels",
+    "propagate_autocast",
 ]
 
 _LAZY = {"AMPPrecision": "amp_plugin.plugin", "LossScaleMonitor": "amp_plugin.callbacks"}

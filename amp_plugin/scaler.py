@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -45,6 +45,7 @@ class _OptimizerState:
     stage: _Stage = _Stage.READY
     found_inf: Tensor | None = None
     grad_scale: Tensor | None = None  # factor the grads still carry once stage is UNSCALED
+    synced: bool = False  # found_inf already agreed across ranks (all-reduced, or from a global norm)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -219,7 +220,7 @@ class LossScaler:
         if state.stage is _Stage.READY:
             self.unscale_(opt)
         assert state.found_inf is not None
-        self._sync(state.found_inf)
+        self._sync(state)
         result = None if state.found_inf.item() else optimizer.step(*args, **kwargs)
         state.stage = _Stage.STEPPED
         return result
@@ -240,6 +241,8 @@ class LossScaler:
                 self._scale.fill_(float(new_scale))
             self._states.clear()
             return
+        for state in self._states.values():  # unscaled or clipped, never stepped: agree on it here
+            self._sync(state)
         found = [s.found_inf for s in self._states.values() if s.found_inf is not None]
         if not found:
             raise RuntimeError(
@@ -255,6 +258,12 @@ class LossScaler:
         self._skipped += self._last_inf
         self.total_steps += 1
         self._states.clear()
+
+    def stage(self, optimizer: Any) -> Literal["ready", "unscaled", "stepped"]:
+        """Where ``optimizer`` stands in this iteration: gradients still scaled, unscaled, or stepped."""
+        state = self._states.get(id(unwrap_optimizer(optimizer)))
+        stage = _Stage.READY if state is None else state.stage
+        return "ready" if stage is _Stage.READY else "unscaled" if stage is _Stage.UNSCALED else "stepped"
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); synchronises the host."""
@@ -291,30 +300,39 @@ class LossScaler:
     # -- clipping on unscaled gradients ----------------------------------------------------
 
     def clip_grad_norm_(
-        self, optimizer: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        optimizer: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        *,
+        sharded: bool = False,
     ) -> Tensor:
         """Clip the optimizer's gradients by their unscaled total norm; return that norm.
 
         Before ``unscale_`` the norm and the inf check come from one read of the scaled
         gradients, then one multiply applies ``clip_coef / scale`` (for a fused optimizer
         the factor goes into its ``grad_scale`` instead). Equal to ``unscale_`` followed by
-        ``torch.nn.utils.clip_grad_norm_`` up to fp32 rounding.
+        ``torch.nn.utils.clip_grad_norm_`` up to fp32 rounding. With ``sharded=True`` the
+        optimizer holds only this rank's shard of the gradients, and the norm is that of
+        all shards across ``process_group`` (one extra collective of one element).
         """
         opt = unwrap_optimizer(optimizer)
         grads = clipping.gradients(opt.param_groups)
+        kernels = distributed.GlobalNormKernels(self._backend(), self.process_group) if sharded else None
         if not self._enabled:
-            return clipping.clip_grad_norm_(self._backend(), grads, max_norm, norm_type).total_norm
+            return clipping.clip_grad_norm_(kernels or self._backend(), grads, max_norm, norm_type).total_norm
         state = self._clippable_state(opt, "clip_grad_norm_")
         carried = self._scale if state.stage is _Stage.READY else state.grad_scale
         # Fold only while the gradients still carry a factor: once unscaled in memory, the
         # in-place multiply is torch's own recipe, bit for bit.
         fold = carried is not None and bool(getattr(opt, "_step_supports_amp_scaling", False))
         result = clipping.clip_grad_norm_(
-            self._backend(), grads, max_norm, norm_type,
+            kernels or self._backend(), grads, max_norm, norm_type,
             grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
         )  # fmt: skip
         if state.stage is _Stage.READY:
-            state.found_inf = result.found_inf
+            state.found_inf, state.synced = result.found_inf, sharded  # a global norm is agreed already
         state.stage, state.grad_scale = _Stage.UNSCALED, result.grad_scale
         return result.total_norm
 
@@ -415,9 +433,12 @@ class LossScaler:
             )
         return state
 
-    def _sync(self, found_inf: Tensor) -> None:
+    def _sync(self, state: _OptimizerState) -> None:
+        if state.synced or state.found_inf is None:
+            return
         if distributed.sync_enabled(self._sync_mode, self.process_group):
-            distributed.all_reduce_found_inf(found_inf, self.process_group)
+            distributed.all_reduce_found_inf(state.found_inf, self.process_group)
+        state.synced = True
 
     def _fused_step(self, opt: Any, optimizer: Any, state: _OptimizerState, *args: Any, **kwargs: Any) -> Any:
         assert self._scale is not None
@@ -430,7 +451,7 @@ class LossScaler:
         else:
             grad_scale = state.grad_scale
         assert state.found_inf is not None
-        self._sync(state.found_inf)
+        self._sync(state)
         opt.grad_scale, opt.found_inf = grad_scale, state.found_inf
         try:
             return optimizer.step(*args, **kwargs)

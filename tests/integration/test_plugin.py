@@ -1,0 +1,424 @@
+"""AMPPrecision in real Trainer.fit runs; Lightning's MixedPrecision is the oracle where it is right."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from amp_plugin import AMPPrecision, LossScaler
+from amp_plugin.plugin import CHECKPOINT_KEY
+
+POISON_STEPS = (0, 7, 8, 19)  # the first step overflows, as it often does at 2**16
+
+
+def _loader(n: int = 30, batch: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(n * batch, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch)
+
+
+class TinyModule(LightningModule):
+    """A small regression model that poisons its gradients at chosen steps."""
+
+    def __init__(
+        self, poison: tuple[int, ...] = POISON_STEPS, fused: bool = False, sched: bool = False
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.poison, self.fused, self.sched = poison, fused, sched
+        self.dtypes: list[torch.dtype] = []
+        self.losses_seen: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        self.dtypes.append(out.dtype)
+        return nn.functional.mse_loss(out.float(), y)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.losses_seen.append(loss.item())
+
+    def on_after_backward(self) -> None:
+        if self.global_step in self.poison:
+            self.net[2].weight.grad[0, 3] = float("inf")
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
+        if not self.sched:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _fit(module: LightningModule, plugin: Any, steps: int = 30, **trainer_kwargs: Any) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(module, _loader())
+    return trainer
+
+
+def _scaler_kwargs() -> dict[str, Any]:
+    return {"init_scale": 2.0**16, "growth_interval": 5}
+
+
+def _oracle(**trainer_kwargs: Any) -> tuple[TinyModule, torch.amp.GradScaler]:
+    module = TinyModule()
+    scaler = torch.amp.GradScaler("cpu", **_scaler_kwargs())
+    _fit(module, MixedPrecision("16-mixed", "cpu", scaler=scaler), **trainer_kwargs)
+    return module, scaler
+
+
+def _ours(clip_fused: Any = "auto", **trainer_kwargs: Any) -> tuple[TinyModule, LossScaler]:
+    module = TinyModule()
+    scaler = LossScaler(**_scaler_kwargs())
+    _fit(
+        module, AMPPrecision("16-mixed", device="cpu", scaler=scaler, clip_fused=clip_fused), **trainer_kwargs
+    )
+    return module, scaler
+
+
+def test_matches_lightning_mixed_precision_bit_for_bit() -> None:
+    (ref, ref_scaler), (ours, scaler) = _oracle(), _ours()
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    assert scaler.skipped_steps >= len(POISON_STEPS) and scaler.total_steps == 30  # + warm-up overflows
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert set(ours.dtypes) == {torch.float16}  # fp16 honoured on CPU
+
+
+@pytest.mark.parametrize(("clip_fused", "exact"), [("auto", False), (False, True)])
+def test_clipping_matches_lightning_mixed_precision(clip_fused: Any, exact: bool) -> None:
+    (ref, ref_scaler), (ours, scaler) = (
+        _oracle(gradient_clip_val=0.5),
+        _ours(clip_fused, gradient_clip_val=0.5),
+    )
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+        if exact:
+            assert torch.equal(p, q)
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_on_before_backward_sees_the_unscaled_loss() -> None:
+    ours, _ = _ours()
+    ref, _ = _oracle()
+    # Same weights at step 0: Lightning hands the hook the loss times 2**16, we hand over the loss.
+    assert ours.losses_seen[0] * 2**16 == pytest.approx(ref.losses_seen[0], rel=1e-6)
+
+
+class _ObservingModule(TinyModule):
+    def __init__(self) -> None:
+        super().__init__(poison=())
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.norms.append(torch.cat([p.grad.flatten() for p in self.parameters()]).norm().item())
+
+
+def test_hooks_see_unscaled_gradients_when_they_look() -> None:
+    module = _ObservingModule()
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=2.0**12))
+    _fit(module, plugin, steps=3)
+    assert not plugin._fast_clip
+    assert plugin.scaler is not None and plugin.scaler.skipped_steps == 0
+    assert 0 < max(module.norms) < 2.0**8  # unscaled: scaled ones would be thousands of times larger
+
+
+def test_fast_path_when_nobody_looks() -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=2.0**8))
+    _fit(TinyModule(poison=()), plugin, steps=2, gradient_clip_val=1.0)
+    assert plugin._fast_clip
+    assert plugin.last_grad_norm is not None and torch.isfinite(plugin.last_grad_norm)
+
+
+def test_fused_adamw_with_clipping_matches_unfused() -> None:
+    results = []
+    for fused in (False, True):
+        module = TinyModule(fused=fused)
+        scaler = LossScaler(**_scaler_kwargs())
+        _fit(module, AMPPrecision("16-mixed", device="cpu", scaler=scaler), gradient_clip_val=0.5)
+        results.append((module, scaler.get_scale(), scaler.skipped_steps))
+    (unfused, s1, k1), (fused, s2, k2) = results
+    assert (s1, k1) == (s2, k2)
+    for p, q in zip(unfused.parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_lightning_refuses_what_we_support() -> None:
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        _fit(TinyModule(fused=True), MixedPrecision("16-mixed", "cpu"), steps=2, gradient_clip_val=0.5)
+
+
+def test_gradient_accumulation_discards_the_whole_step() -> None:
+    module = TinyModule(poison=(2,))
+    scaler = LossScaler(init_scale=2.0**8)
+    _fit(module, AMPPrecision("16-mixed", device="cpu", scaler=scaler), steps=5, accumulate_grad_batches=2)
+    assert scaler.total_steps == 5 and scaler.skipped_steps == 1
+    assert scaler.get_scale() == 2.0**7  # one backoff for one optimizer step of 2 micro-batches
+
+
+@pytest.mark.parametrize(("lr_on_skip", "halvings"), [("hold", 4), ("advance", 6)])
+def test_scheduler_held_on_skipped_steps_without_order_warning(lr_on_skip: str, halvings: int) -> None:
+    module = TinyModule(poison=(0, 3), sched=True)
+    scaler = LossScaler(init_scale=2.0**8)
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=scaler, lr_on_skip=lr_on_skip)  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(module, plugin, steps=6)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**halvings)
+
+
+class _GanModule(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.gen, self.disc = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        x = batch[0][:, :4]
+        loss_d = self.disc(x).pow(2).mean()
+        self.manual_backward(loss_d)
+        if batch_idx == 2:
+            self.disc.weight.grad[0, 0] = float("nan")  # only the discriminator overflows
+        opt_d.step()
+        opt_d.zero_grad()
+        loss_g = self.disc(self.gen(x)).pow(2).mean()
+        self.manual_backward(loss_g)
+        opt_g.step()
+        opt_g.zero_grad()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.snapshots.append((self.gen.weight.detach().clone(), self.disc.weight.detach().clone()))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.gen.parameters(), lr=0.1), torch.optim.SGD(self.disc.parameters(), lr=0.1)
+
+
+def test_two_optimizers_one_overflows_one_backoff_per_batch() -> None:
+    module = _GanModule()
+    scaler = LossScaler(init_scale=2.0**8, growth_interval=1000)
+    _fit(module, AMPPrecision("16-mixed", device="cpu", scaler=scaler), steps=8)  # 4 batches x 2 steps
+    assert scaler.total_steps == 4 and scaler.skipped_steps == 1
+    assert scaler.get_scale() == 2.0**7
+    (g2, d2), (g3, d3) = module.snapshots[2], module.snapshots[3]
+    assert torch.equal(d2, d3)  # the discriminator skipped batch 2
+    assert not torch.equal(g2, g3)  # the generator stepped; its own gradients were finite
+
+
+class _ManualClipModule(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Linear(8, 1)
+        self.clipped_norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        self.manual_backward(self.net(batch[0]).pow(2).sum())
+        self.clip_gradients(opt, gradient_clip_val=1e-3, gradient_clip_algorithm="norm")
+        self.clipped_norms.append(torch.cat([p.grad.flatten() for p in self.parameters()]).norm().item())
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_manual_optimization_clips_unscaled_gradients() -> None:
+    """Lightning issue 18089: clip_gradients after manual_backward clipped the scaled gradients."""
+    module = _ManualClipModule()
+    scaler = LossScaler(init_scale=2.0**8)
+    _fit(module, AMPPrecision("16-mixed", device="cpu", scaler=scaler), steps=3)
+    assert scaler.skipped_steps == 0
+    assert module.clipped_norms == pytest.approx([1e-3] * 3, rel=1e-3)
+
+
+def test_manual_optimization_double_step_raises() -> None:
+    class Twice(_ManualClipModule):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            for _ in range(2):
+                self.manual_backward(self.net(batch[0]).sum())
+                opt.step()
+
+    with pytest.raises(RuntimeError, match=r"stepped twice in one training_step.*HINT"):
+        _fit(Twice(), AMPPrecision("16-mixed", device="cpu"), steps=2)
+
+
+def _fit_epochs(module: LightningModule, plugin: Any, epochs: int, ckpt: str | None = None) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, plugins=[plugin], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader(n=5), ckpt_path=ckpt)
+    return trainer
+
+
+def _plugin() -> AMPPrecision:
+    return AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=2.0**16, growth_interval=2))
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
+    full = TinyModule(poison=(1, 2))
+    full_plugin = _plugin()
+    _fit_epochs(full, full_plugin, epochs=2)
+
+    head = TinyModule(poison=(1, 2))
+    head_plugin = _plugin()
+    trainer = _fit_epochs(head, head_plugin, epochs=1)
+    path = str(tmp_path / "step5.ckpt")
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    assert head_plugin.scaler is not None
+    assert saved[CHECKPOINT_KEY]["scaler"]["skipped_steps"] == head_plugin.scaler.skipped_steps >= 2
+    assert "AMPPrecision" not in saved  # not under the class name
+
+    tail = TinyModule(poison=(1, 2))
+    resumed = _plugin()
+    _fit_epochs(tail, resumed, epochs=2, ckpt=path)
+    assert resumed.scaler is not None and full_plugin.scaler is not None
+    assert resumed.scaler.get_scale() == full_plugin.scaler.get_scale()
+    assert resumed.scaler.state_dict() == full_plugin.scaler.state_dict()
+    for p, q in zip(full.parameters(), tail.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_loads_a_lightning_mixed_precision_checkpoint(tmp_path: Path) -> None:
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    trainer = _fit_epochs(
+        TinyModule(poison=(1,)), MixedPrecision("16-mixed", "cpu", scaler=ref_scaler), epochs=1
+    )
+    path = str(tmp_path / "lightning.ckpt")
+    trainer.save_checkpoint(path)
+    assert "MixedPrecision" in torch.load(path, weights_only=False)
+    plugin = AMPPrecision("16-mixed", device="cpu")
+    _fit_epochs(TinyModule(poison=()), plugin, epochs=1, ckpt=path)  # max_epochs=1: restore only
+    assert plugin.scaler is not None
+    assert plugin.scaler.get_scale() == ref_scaler.get_scale()
+    assert plugin.scaler.growth_interval == 2
+
+
+def test_legacy_native_amp_key_loads() -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu")
+    plugin.on_load_checkpoint(
+        {"native_amp_scaling_state": torch.amp.GradScaler("cpu", init_scale=8.0).state_dict()}
+    )
+    assert plugin.scaler is not None and plugin.scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"scaler": {"scale": 2.0}},
+        "garbage",
+        {"no_scaler": 1},
+        {"scaler": {**LossScaler().state_dict(), "x": 1}},
+    ],
+)
+def test_corrupt_checkpoint_entry_raises_and_changes_nothing(entry: Any) -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=4.0))
+    assert plugin.scaler is not None
+    before = copy.deepcopy(plugin.scaler.state_dict())
+    with pytest.raises(ValueError, match="HINT"):
+        plugin.on_load_checkpoint({CHECKPOINT_KEY: entry})
+    assert plugin.scaler.state_dict() == before
+
+
+def test_auto_picks_bf16_on_cpu_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    module = TinyModule(poison=())
+    plugin = AMPPrecision("auto")
+    with caplog.at_level("INFO"):
+        _fit(module, plugin, steps=2)
+    assert plugin.precision == "bf16-mixed" and plugin.scaler is None
+    assert set(module.dtypes) == {torch.bfloat16}
+    assert "chose bf16-mixed" in caplog.text
+
+
+def test_bf16_clipping_records_the_norm() -> None:
+    plugin = AMPPrecision("bf16-mixed")
+    _fit(TinyModule(poison=()), plugin, steps=2, gradient_clip_val=0.1)
+    assert plugin.last_grad_norm is not None and plugin.last_grad_norm > 0.1
+
+
+class _Fp32Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 1)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.seen.append(out.dtype)
+        return out
+
+
+def test_fp32_modules_run_in_fp32() -> None:
+    module = TinyModule(poison=())
+    module.net[2] = _Fp32Head()
+    _fit(module, AMPPrecision("bf16-mixed", fp32_modules=[_Fp32Head]), steps=2)
+    assert set(module.net[2].seen) == {torch.float32}
+
+
+def test_fp16_parameters_fail_at_fit_start_naming_them() -> None:
+    module = TinyModule(poison=())
+    module.net[0].half()
+    with pytest.raises(ValueError, match=r"net\.0\.weight"):
+        _fit(module, AMPPrecision("16-mixed", device="cpu"), steps=1)
+
+
+def test_lbfgs_under_fp16_raises() -> None:
+    class WithLBFGS(TinyModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.LBFGS(self.parameters())
+
+    with pytest.raises(ValueError, match=r"LBFGS.*HINT"):
+        _fit(WithLBFGS(poison=()), AMPPrecision("16-mixed", device="cpu"), steps=1)
+
+
+def test_plain_data_parallel_under_bf16_warns() -> None:
+    module = TinyModule(poison=())
+    module.net = nn.DataParallel(module.net)  # type: ignore[assignment]
+    with pytest.warns(UserWarning, match="AutocastDataParallel"):
+        _fit(module, AMPPrecision("bf16-mixed"), steps=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"precision": "16"}, ValueError, r"Unknown precision '16'.*HINT: use '16-mixed'"),
+        ({"precision": "fp32"}, ValueError, r"allowed: 16-mixed, bf16-mixed, auto"),
+        ({"precision": "bf16-mixed", "scaler": LossScaler()}, ValueError, "does not use a loss scaler"),
+        ({"precision": "auto", "scaler": LossScaler()}, ValueError, "ambiguous"),
+        ({"precision": "16-mixed", "scaler": torch.amp.GradScaler("cpu")}, TypeError, "takes an amp_plugin"),
+        ({"precision": "16-mixed", "kernels": "fast"}, ValueError, "kernels='fast'"),
+        ({"precision": "16-mixed", "clip_fused": "yes"}, ValueError, "clip_fused='yes'"),
+        ({"precision": "16-mixed", "lr_on_skip": "skip"}, ValueError, "lr_on_skip='skip'"),
+        ({"precision": "16-mixed", "fp32_modules": [int]}, TypeError, "HINT"),
+        (
+            {"precision": "16-mixed", "device": "meta"},
+            ValueError,
+            r"not available for device type 'meta'.*HINT",
+        ),
+    ],
+)
+def test_bad_arguments_raise_clearly(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        AMPPrecision(**kwargs)
