@@ -21,7 +21,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from amp_plugin import autocast, clipping, diagnostics
-from amp_plugin.kernels import Backend, check_backend, get_kernels
+from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
 from amp_plugin.scaler import LossScaler, unwrap_optimizer
 
 __all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
@@ -82,6 +82,7 @@ class AMPPrecision(Precision):
         self._fp32_hooks: autocast.Fp32Modules | None = None
         self._fast_clip = clip_fused is True
         self._stepped_in_batch = False
+        self._want_grad_norm = False
         if device is not None:
             self._resolve(device)
 
@@ -222,6 +223,30 @@ class AMPPrecision(Precision):
             self._stepped_in_batch = True
         return result
 
+    def request_grad_norm(self) -> None:
+        """Have the next optimizer step record ``last_grad_norm`` even without clipping.
+
+        With clipping on, the norm comes free with the clip; otherwise it costs one read of the
+        gradients, which is why it is asked for per step (e.g. on logging steps only).
+        """
+        self._want_grad_norm = True
+
+    @override
+    def _after_closure(self, model: LightningModule, optimizer: Any) -> None:
+        super()._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+        if self._want_grad_norm and self.last_grad_norm is None:
+            self.last_grad_norm = self._grad_norm(optimizer)
+        self._want_grad_norm = False
+
+    def _grad_norm(self, optimizer: Any) -> Tensor:
+        if self.scaler is not None:
+            return self.scaler.grad_norm(optimizer)
+        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
+        return self._kernels_for(grads).norm(grads)
+
+    def _kernels_for(self, grads: list[Tensor]) -> Kernels:
+        return get_kernels(self.kernels, grads[0].device if grads else None)
+
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last update skipped its step (always ``False`` without a scaler)."""
@@ -249,8 +274,9 @@ class AMPPrecision(Precision):
             self.last_grad_norm = self.scaler.clip_grad_norm_(optimizer, float(clip_val))
             return
         grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        kernels = get_kernels(self.kernels, grads[0].device if grads else None)
-        self.last_grad_norm = clipping.clip_grad_norm_(kernels, grads, float(clip_val)).total_norm
+        self.last_grad_norm = clipping.clip_grad_norm_(
+            self._kernels_for(grads), grads, float(clip_val)
+        ).total_norm
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:

@@ -336,6 +336,14 @@ class LossScaler:
         state.stage, state.grad_scale = _Stage.UNSCALED, result.grad_scale
         return result.total_norm
 
+    def grad_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
+        """The total norm of the optimizer's unscaled gradients, leaving them as they are (one read)."""
+        opt = unwrap_optimizer(optimizer)
+        norm = self._backend().norm(clipping.gradients(opt.param_groups), norm_type)
+        state = self._states.get(id(opt))
+        carried = self._scale if state is None or state.stage is _Stage.READY else state.grad_scale
+        return norm if carried is None or not self._enabled else norm / carried.to(norm)
+
     def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
         """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
         opt = unwrap_optimizer(optimizer)

@@ -145,6 +145,38 @@ def test_fast_path_when_nobody_looks() -> None:
     assert plugin.last_grad_norm is not None and torch.isfinite(plugin.last_grad_norm)
 
 
+class _NormProbe(TinyModule):
+    def __init__(self) -> None:
+        super().__init__(poison=())
+        self.true_norms: list[float] = []
+
+    def on_after_backward(self) -> None:  # scaled gradients: divide by the known scale
+        grads = torch.cat([p.grad.flatten() for p in self.parameters()])
+        self.true_norms.append(
+            grads.double().norm().item() / self.trainer.precision_plugin.scaler.get_scale()
+        )
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.trainer.precision_plugin.request_grad_norm()
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_requested_grad_norm_is_unscaled_and_costs_nothing_when_not_asked(precision: str) -> None:
+    module = _NormProbe()
+    scaler = LossScaler(init_scale=2.0**8) if precision == "16-mixed" else None
+    plugin = AMPPrecision(precision, device="cpu", scaler=scaler)  # type: ignore[arg-type]
+    if scaler is None:
+        module.on_after_backward = lambda: module.true_norms.append(  # type: ignore[method-assign]
+            torch.cat([p.grad.flatten() for p in module.parameters()]).double().norm().item()
+        )
+    _fit(module, plugin, steps=1)
+    assert plugin.last_grad_norm is not None
+    assert plugin.last_grad_norm.item() == pytest.approx(module.true_norms[-1], rel=1e-5)
+    plain = AMPPrecision(precision, device="cpu", scaler=LossScaler(init_scale=2.0**8) if scaler else None)  # type: ignore[arg-type]
+    _fit(TinyModule(poison=()), plain, steps=1)
+    assert plain.last_grad_norm is None  # not asked, not computed
+
+
 def test_fused_adamw_with_clipping_matches_unfused() -> None:
     results = []
     for fused in (False, True):
