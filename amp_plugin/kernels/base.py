@@ -58,7 +58,9 @@ class Kernels(Protocol):
     ) -> Tensor: ...
 
 
-def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+def group_by_device_and_dtype(
+    tensors: Sequence[Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
     """Group tensors by ``(device, dtype)`` in first-seen order, dropping zero-numel ones."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for tensor in tensors:

@@ -40,7 +40,7 @@ class TorchKernels:
                 else:
                     local = torch.zeros((), dtype=torch.float32, device=device)
                     torch._amp_foreach_non_finite_check_and_unscale_(group, local, inv_scale.to(device))
-                    torch.maximum(found_inf, local.to(found_inf.device, non_blocking=True), out=found_inf)
+                    torch.maximum(found_inf, _to(local, found_inf.device), out=found_inf)
 
     def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
         groups = group_by_device_and_dtype(tensors)
@@ -49,23 +49,35 @@ class TorchKernels:
         first = next(iter(groups))[0]
         with torch.no_grad():
             partial = [
-                torch.linalg.vector_norm(
-                    torch.stack(torch._foreach_norm(group, norm_type, dtype=torch.float32)), norm_type
-                ).to(first, non_blocking=True)
-                for group in groups.values()
+                _to(
+                    torch.linalg.vector_norm(
+                        torch.stack(torch._foreach_norm(g, norm_type, dtype=torch.float32)), norm_type
+                    ),
+                    first,
+                )
+                for g in groups.values()
             ]
-            total: Tensor = (
-                partial[0] if len(partial) == 1 else torch.linalg.vector_norm(torch.stack(partial), norm_type)
-            )
+            if len(partial) == 1:
+                return partial[0]
+            total: Tensor = torch.linalg.vector_norm(torch.stack(partial), norm_type)
             return total
 
     def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
         with torch.no_grad():
             for (device, _), group in group_by_device_and_dtype(tensors).items():
-                torch._foreach_mul_(group, factor.to(device, non_blocking=True))
+                torch._foreach_mul_(group, _to(factor, device))
 
     def unscale_norm_(
         self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float = 2.0
     ) -> Tensor:
         self.unscale_(tensors, inv_scale, found_inf)
         return self.norm(tensors, norm_type)
+
+
+def _to(tensor: Tensor, device: torch.device) -> Tensor:
+    """Copy across devices without a host sync where that is safe.
+
+    A non-blocking copy into CPU memory may still be in flight when the host reads it next,
+    so only copies onto an accelerator are made non-blocking.
+    """
+    return tensor.to(device, non_blocking=device.type != "cpu")
