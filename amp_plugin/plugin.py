@@ -112,15 +112,15 @@ class AMPPrecision(Precision):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         if self.device is None:
             self._resolve(_module_device(model))
-        assert self.dtype is not None and self.device is not None
-        self._check_setup(model, optimizers)
+        module = _lightning_module(model)  # strategies hand over their wrapper (DDP, ...)
+        self._check_setup(module, optimizers)
         if self._fp32_hooks is None and self.fp32_modules:
-            self._fp32_hooks = autocast.force_fp32(model, self.fp32_modules)
-        if isinstance(model, LightningModule) and model._trainer is not None:
+            self._fp32_hooks = autocast.force_fp32(module, self.fp32_modules)
+        if isinstance(module, LightningModule) and module._trainer is not None:
             self._fast_clip = self.clip_fused is True or (
-                self.clip_fused == "auto" and not _hooks_observe_gradients(model)
+                self.clip_fused == "auto" and not _hooks_observe_gradients(module)
             )
-            if model.automatic_optimization:
+            if module.automatic_optimization:
                 for config in lr_schedulers:
                     if getattr(config, "interval", "step") == "step" and not isinstance(
                         config.scheduler, _SkipAwareScheduler
@@ -361,6 +361,16 @@ class _SkipAwareScheduler:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._scheduler, name, value)
+
+
+def _lightning_module(model: nn.Module) -> nn.Module:
+    """The LightningModule inside a strategy's wrapper, or ``model`` itself."""
+    for _ in range(4):
+        inner = getattr(model, "module", None)
+        if isinstance(model, LightningModule) or not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model
 
 
 def _module_device(model: nn.Module) -> str:
