@@ -1,22 +1,58 @@
-"""All ranks take the same skip decision.
+"""All ranks take the same skip decision, clip by the same norm, and can prove they agree.
 
 Under data parallelism every rank must skip the same steps, or the replicas diverge for
 good. Gradients are usually all-reduced before the inf check, but not always (hooks that
 change gradients after the all-reduce, sharded gradients, fused optimizers that decide
 inside their kernel), so the inf flag itself is all-reduced (MAX) before any skip decision.
+
+When every rank holds only its shard of the gradients, the clip norm of the whole model
+is reduced from the local norms (:func:`global_norm`); :class:`GlobalNormKernels` plugs
+that into the clipping code. :func:`check_consistency` compares the scaler state and a
+checksum of the parameters across ranks and names the ranks that disagree.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["SyncMode", "all_reduce_found_inf", "check_sync_mode", "sync_enabled"]
+from amp_plugin.kernels import Kernels
+
+if TYPE_CHECKING:
+    from amp_plugin.scaler import LossScaler
+
+__all__ = [
+    "ConsistencyCheck",
+    "GlobalNormKernels",
+    "SyncMode",
+    "all_reduce_found_inf",
+    "check_consistency",
+    "check_sync_mode",
+    "global_norm",
+    "sync_enabled",
+]
 
 SyncMode = Literal["auto"] | bool
+
+# What check_consistency gathers from every rank, in this order (fp64 each).
+_FIELDS = (
+    "scaler enabled",
+    "scale",
+    "growth tracker",
+    "hysteresis tracker",
+    "skipped steps",
+    "total steps",
+    "parameter count",
+    "parameter sum",
+    "parameter sum of squares",
+)
+_REAL_FIELDS = frozenset({"scale", "parameter sum", "parameter sum of squares"})  # the others count
+_STATE_KEYS = ("scale", "_growth_tracker", "_hysteresis_tracker", "skipped_steps", "total_steps")
 
 
 def check_sync_mode(mode: object) -> SyncMode:
@@ -45,15 +81,273 @@ def sync_enabled(mode: SyncMode, group: Any = None) -> bool:
 def all_reduce_found_inf(found_inf: Tensor, group: Any = None) -> Tensor:
     """All-reduce the inf flag with MAX across ``group``, in place, without a host sync.
 
-    NCCL reduces only CUDA tensors, so a flag held elsewhere travels through the
-    backend's device and back.
+    One collective of one fp32 element. NCCL reduces only CUDA tensors, so a flag held
+    elsewhere travels through the backend's device and back.
     """
-    backend = dist.get_backend(group)
-    if backend == "nccl" and found_inf.device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-        staged = found_inf.to(device)
-        dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
-        found_inf.copy_(staged)
-    else:
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+    _all_reduce_(found_inf, dist.ReduceOp.MAX, group)
     return found_inf
+
+
+def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -> Tensor:
+    """The ``norm_type``-norm of the gradients of all ranks, from each rank's local norm.
+
+    For sharded gradients (every element lives on exactly one rank of ``group``):
+    ``(sum_r local_r ** p) ** (1 / p)``, reduced in fp64 so that squaring a large scaled
+    norm cannot overflow; MAX for ``inf``, MIN for ``-inf``, SUM for the 0-"norm" (a count).
+    Any inf/NaN on any rank makes the result non-finite on every rank. One collective of
+    one element; no host sync.
+
+    Args:
+        local_norm: this rank's norm (0-dim, fp32), as returned by a kernel backend.
+        norm_type: the order of the norm.
+        group: the process group that holds the shards (``None``: the default group).
+
+    Returns:
+        The global norm as a new fp32 0-dim tensor on ``local_norm``'s device. Without an
+        initialised process group (or with one rank) this process holds every shard, and
+        the result is ``local_norm`` itself.
+
+    Example:
+        >>> import torch
+        >>> global_norm(torch.tensor(5.0), 2.0)  # one process: the local norm is global
+        tensor(5.)
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return local_norm.detach().float().clone()
+    p = float(norm_type)
+    reduced = local_norm.detach().to(torch.float64)
+    if p == math.inf:
+        reduced = torch.nan_to_num(reduced, nan=math.inf)  # MAX need not propagate NaN
+        _all_reduce_(reduced, dist.ReduceOp.MAX, group)
+    elif p == -math.inf:
+        reduced = torch.nan_to_num(reduced, nan=-math.inf)
+        _all_reduce_(reduced, dist.ReduceOp.MIN, group)
+    elif p == 0:
+        _all_reduce_(reduced, dist.ReduceOp.SUM, group)
+    else:
+        reduced = reduced.pow(p)
+        _all_reduce_(reduced, dist.ReduceOp.SUM, group)
+        reduced = reduced.pow(1.0 / p)
+    return reduced.float()
+
+
+class GlobalNormKernels:
+    """A kernel backend whose ``norm`` covers the gradient shards of every rank in ``group``.
+
+    The other operations act on this rank's tensors, as in the wrapped backend. Used by
+    ``LossScaler.clip_grad_norm_(..., sharded=True)``; the norm, the clip factor and the
+    inf flag derived from the norm are then the same on every rank.
+
+    Example:
+        >>> from amp_plugin.kernels import get_kernels
+        >>> GlobalNormKernels(get_kernels("torch")).name
+        'torch+global-norm'
+    """
+
+    def __init__(self, kernels: Kernels, group: Any = None) -> None:
+        self.inner = kernels
+        self.group = group
+        self.name = f"{kernels.name}+global-norm"
+
+    def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+        self.inner.unscale_(tensors, inv_scale, found_inf)
+
+    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+        return global_norm(self.inner.norm(tensors, norm_type), norm_type, self.group)
+
+    def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
+        self.inner.mul_(tensors, factor)
+
+    def unscale_norm_(
+        self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float = 2.0
+    ) -> Tensor:
+        local = self.inner.unscale_norm_(tensors, inv_scale, found_inf, norm_type)
+        return global_norm(local, norm_type, self.group)
+
+
+def check_consistency(
+    scaler: LossScaler | None,
+    parameters: nn.Module | Iterable[Tensor] | None = None,
+    *,
+    group: Any = None,
+) -> None:
+    """Raise if the ranks of ``group`` disagree on the loss-scaler state or the parameters.
+
+    Every rank of ``group`` must call this at the same point (it is a collective). It
+    all-gathers one small fp64 vector per rank: the scale, the growth and hysteresis
+    trackers, the skipped and total step counts, and a checksum of ``parameters`` (their
+    element count, fp64 sum and fp64 sum of squares, computed on their device), and
+    compares them bit for bit. Cost: one pass reading the parameters, a few host syncs and
+    one all-gather of 72 bytes per rank, so run it every few hundred steps, not every step.
+    Without an initialised process group (or with one rank) it only validates its arguments.
+
+    Args:
+        scaler: the :class:`~amp_plugin.LossScaler` of this rank, or ``None`` to compare
+            only the parameters (e.g. bf16 without loss scaling).
+        parameters: a module or the parameters that every rank holds in full (replicated,
+            as under DDP), or ``None`` to compare only the scaler. Sharded parameters
+            (FSDP, ZeRO-3) legitimately differ across ranks: leave them out.
+        group: the process group to compare across (``None``: the default group).
+
+    Raises:
+        ValueError: neither a scaler nor parameters were given.
+        TypeError: ``scaler`` or ``parameters`` is not what is expected.
+        RuntimeError: some ranks disagree; the message names each disagreeing quantity with
+            its value on every rank.
+
+    Example:
+        >>> import torch
+        >>> from amp_plugin import LossScaler
+        >>> model = torch.nn.Linear(2, 1)
+        >>> check_consistency(LossScaler(), model)  # one process: nothing to compare
+    """
+    state, params = _validated_check_args(scaler, parameters)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    local = _local_summary(state, params)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    _all_gather(gathered, local, group)
+    table = torch.stack([t.cpu() for t in gathered])  # [world, fields]
+    bits = table.view(torch.int64)  # bit-exact comparison; equal NaNs compare equal
+    ranks = [i if group is None else dist.get_global_rank(group, i) for i in range(table.shape[0])]
+    differ = [k for k in range(len(_FIELDS)) if bool((bits[:, k] != bits[0, k]).any())]
+    if differ:
+        lines = [
+            f"{_FIELDS[k]}: "
+            + "; ".join(_ranks_by_value(_FIELDS[k], table[:, k].tolist(), bits[:, k].tolist(), ranks))
+            for k in differ
+        ]
+        raise RuntimeError(
+            f"check_consistency: the {len(ranks)} ranks disagree on {', '.join(_FIELDS[k] for k in differ)}:"
+            "\n  " + "\n  ".join(lines) + "\n"
+            "HINT: replicas must take identical steps. Keep LossScaler(sync_found_inf='auto') so that "
+            "every rank skips the same steps, load the same checkpoint on every rank, never call "
+            "update(new_scale=...) on some ranks only, and leave sharded parameters out of the check."
+        )
+
+
+class ConsistencyCheck:
+    """Run :func:`check_consistency` every ``every_n_steps`` steps.
+
+    The step number comes from the caller's loop (the same on every rank), not from a
+    counter inside this object: the check is a collective, and a rank that skipped it
+    while the others ran it would hang them.
+
+    Args:
+        every_n_steps: check when ``step % every_n_steps == 0`` (an int >= 1).
+        group: the process group to compare across (``None``: the default group).
+
+    Example:
+        >>> import torch
+        >>> from amp_plugin import LossScaler
+        >>> check = ConsistencyCheck(every_n_steps=100)
+        >>> model, scaler = torch.nn.Linear(2, 1), LossScaler()
+        >>> [step for step in range(250) if check(step, scaler, model)]
+        [0, 100, 200]
+    """
+
+    def __init__(self, every_n_steps: int, *, group: Any = None) -> None:
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
+            raise ValueError(
+                f"ConsistencyCheck(every_n_steps={every_n_steps!r}) is not allowed: an int >= 1. "
+                "HINT: the check costs one all-gather and a read of the parameters; 100-1000 is usual."
+            )
+        self.every_n_steps = every_n_steps
+        self.group = group
+
+    def __call__(
+        self, step: int, scaler: LossScaler | None, parameters: nn.Module | Iterable[Tensor] | None = None
+    ) -> bool:
+        """Check when ``step`` is a multiple of ``every_n_steps``; return whether it was due."""
+        if step % self.every_n_steps:
+            return False
+        check_consistency(scaler, parameters, group=self.group)
+        return True
+
+
+# -- internals -------------------------------------------------------------------------------
+
+
+def _validated_check_args(scaler: Any, parameters: Any) -> tuple[dict[str, Any] | None, list[Tensor] | None]:
+    if scaler is None and parameters is None:
+        raise ValueError(
+            "check_consistency(scaler=None, parameters=None) has nothing to compare; expected a "
+            "LossScaler, parameters, or both. HINT: pass the scaler and the (replicated) model."
+        )
+    if scaler is not None and not callable(getattr(scaler, "state_dict", None)):
+        raise TypeError(
+            f"check_consistency expected a LossScaler (or None) as scaler, got {type(scaler).__qualname__}. "
+            "HINT: pass the scaler that steps this rank's optimizer."
+        )
+    params = None
+    if parameters is not None:
+        items = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+        wrong = [type(p).__qualname__ for p in items if not isinstance(p, Tensor)]
+        if wrong:
+            raise TypeError(
+                f"check_consistency expected a module or an iterable of tensors as parameters, got "
+                f"items of type {sorted(set(wrong))}. HINT: pass model or model.parameters()."
+            )
+        params = items
+    return (None if scaler is None else dict(scaler.state_dict())), params
+
+
+def _local_summary(state: dict[str, Any] | None, params: list[Tensor] | None) -> Tensor:
+    values = [0.0] * len(_FIELDS)
+    if state:
+        values[0] = 1.0
+        for k, key in enumerate(_STATE_KEYS, start=1):
+            values[k] = float(state.get(key, 0))
+    summary = torch.tensor(values, dtype=torch.float64)
+    if params:
+        device = params[0].device
+        with torch.no_grad():
+            sums = torch.stack([p.detach().sum(dtype=torch.float64).to(device) for p in params]).sum()
+            squares = torch.stack(
+                [torch.linalg.vector_norm(p.detach(), dtype=torch.float64).to(device) for p in params]
+            )
+            checksum = torch.stack([sums, squares.square().sum()]).cpu()
+        summary[6] = float(sum(p.numel() for p in params))
+        summary[7:] = checksum
+    return summary
+
+
+def _ranks_by_value(field: str, values: list[float], bits: list[int], ranks: list[int]) -> list[str]:
+    """``["1024.0 on ranks 0, 2", "512.0 on rank 1"]``: each distinct value with its ranks."""
+    groups: dict[int, list[int]] = {}
+    shown: dict[int, float | int] = {}
+    for value, key, rank in zip(values, bits, ranks, strict=True):
+        groups.setdefault(key, []).append(rank)
+        shown[key] = value
+    if field not in _REAL_FIELDS:
+        shown = {key: int(value) for key, value in shown.items()}
+    return [
+        f"{shown[key]!r} on rank{'s' if len(members) > 1 else ''} {', '.join(map(str, members))}"
+        for key, members in groups.items()
+    ]
+
+
+def _backend_device(tensor: Tensor, group: Any) -> torch.device:
+    """Where ``group``'s backend can reduce ``tensor``: NCCL alone handles only CUDA tensors."""
+    backend = str(dist.get_backend(group))
+    if tensor.device.type != "cuda" and "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return tensor.device
+
+
+def _all_reduce_(tensor: Tensor, op: Any, group: Any) -> None:
+    device = _backend_device(tensor, group)
+    if device == tensor.device:
+        dist.all_reduce(tensor, op=op, group=group)
+    else:
+        staged = tensor.to(device)
+        dist.all_reduce(staged, op=op, group=group)
+        tensor.copy_(staged)
+
+
+def _all_gather(out: list[Tensor], tensor: Tensor, group: Any) -> None:
+    device = _backend_device(tensor, group)
+    staged = [t.to(device) for t in out]
+    dist.all_gather(staged, tensor.to(device), group=group)
+    for target, source in zip(out, staged, strict=True):
+        target.copy_(source)

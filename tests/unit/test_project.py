@@ -15,7 +15,8 @@ def _readme_commands() -> list[str]:
 def test_readme_has_exactly_two_setup_commands() -> None:
     commands = _readme_commands()
     assert len(commands) == 2
-    assert all(c.startswith("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0") for c in commands)
+    torch_first = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0"
+    assert all(c.startswith(torch_first) for c in commands)
     assert commands[0].endswith("examples/quickstart.py")
 
 
