@@ -1,0 +1,119 @@
+"""Find where inf/NaN come from, check an optimizer set-up at fit start, audit a model for fp16.
+
+This is the public module; the larger pieces live in private modules next to it:
+
+* :func:`nonfinite_gradients` (here) names the parameters whose gradient holds inf/NaN,
+  for a skipped step.
+* :class:`NonFiniteTracer` (``_tracer.py``) hooks every submodule while attached and records
+  the first one, in execution order, whose output or gradient went non-finite.
+* :func:`check_optimizer_setup` (``_optimizer_check.py``) turns torch's late errors
+  ("Attempting to unscale FP16 gradients", "No inf checks were recorded") into findings
+  at fit start.
+* :func:`audit_model` (``_audit.py``) finds fp16 hazards in a model; :func:`device_report`
+  (``_device_report.py``) says what this machine supports and which precision to use.
+  Together they back ``python -m amp_plugin doctor``.
+
+Plain torch: nothing here imports Lightning; nothing costs anything until it is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from amp_plugin._audit import AuditReport, Finding, audit_model
+from amp_plugin._device_report import device_report, format_device_report
+from amp_plugin._optimizer_check import check_optimizer_setup
+from amp_plugin._tracer import NonFiniteRecord, NonFiniteTracer, dtype_name, nonfinite_kind
+
+__all__ = [
+    "AuditReport",
+    "Finding",
+    "NonFiniteGradient",
+    "NonFiniteRecord",
+    "NonFiniteTracer",
+    "audit_model",
+    "check_optimizer_setup",
+    "device_report",
+    "format_device_report",
+    "nonfinite_gradients",
+]
+
+
+@dataclass(frozen=True)
+class NonFiniteGradient:
+    """A parameter whose gradient holds inf/NaN; ``str()`` gives a one-line description."""
+
+    name: str
+    kind: str  # "inf", "nan" or "inf and nan"
+    count: int  # how many of the gradient's values are non-finite
+    numel: int
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.kind} in {self.count} of {self.numel} values, {dtype_name(self.dtype)})"
+
+
+def nonfinite_gradients(
+    named_parameters: Iterable[tuple[str, Tensor]] | nn.Module, limit: int = 5
+) -> list[NonFiniteGradient]:
+    """Name the parameters whose ``.grad`` holds inf or NaN, in parameter order.
+
+    Meant for a step that was skipped: it synchronises with the device (once per device,
+    plus once per offender reported).
+
+    Args:
+        named_parameters: ``model.named_parameters()`` (or the model itself).
+        limit: report at most this many parameters.
+
+    Raises:
+        ValueError: ``limit`` is not a positive integer.
+
+    Example:
+        >>> model = nn.Linear(2, 2)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> model.bias.grad[0] = float("nan")
+        >>> [str(g) for g in nonfinite_gradients(model)]
+        ['bias (nan in 1 of 2 values, float32)']
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(
+            f"limit={limit!r}; allowed: an int >= 1. HINT: pass limit=5 to name five parameters."
+        )
+    if isinstance(named_parameters, nn.Module):
+        named_parameters = named_parameters.named_parameters()
+    named = [
+        (n, p.grad.coalesce().values() if p.grad.is_sparse else p.grad)
+        for n, p in named_parameters
+        if p.grad is not None
+    ]
+    found: list[NonFiniteGradient] = []
+    for i in _suspects([grad for _, grad in named]):
+        name, grad = named[i]
+        n_inf, n_nan = (int(v) for v in torch.stack([grad.isinf().sum(), grad.isnan().sum()]).tolist())
+        if n_inf + n_nan:
+            found.append(
+                NonFiniteGradient(
+                    name, nonfinite_kind(n_inf > 0, n_nan > 0), n_inf + n_nan, grad.numel(), grad.dtype
+                )
+            )
+        if len(found) == limit:
+            break
+    return found
+
+
+def _suspects(grads: list[Tensor]) -> list[int]:
+    by_device: dict[torch.device, list[int]] = {}
+    for i, grad in enumerate(grads):
+        by_device.setdefault(grad.device, []).append(i)
+    suspects: list[int] = []
+    for indices in by_device.values():
+        # The 1-norm is one fused pass that propagates inf and NaN (one host sync per device). A huge
+        # finite gradient can overflow it too, so the caller confirms every suspect exactly.
+        norms = torch._foreach_norm([grads[i] for i in indices], 1, dtype=torch.float32)
+        flags = (~torch.isfinite(torch.stack(norms))).tolist()
+        suspects += [i for i, bad in zip(indices, flags, strict=True) if bad]
+    return sorted(suspects)

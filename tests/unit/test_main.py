@@ -1,0 +1,129 @@
+"""`python -m amp_plugin doctor`: report, model audit, JSON output, exit codes and error paths."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from amp_plugin.__main__ import load_model, main
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_CALLABLE = 3
+
+
+def bad_model() -> nn.Module:
+    """A model with fp16 hazards, one of them an error (a NaN parameter)."""
+    model = nn.Sequential(nn.Linear(10, 60), nn.LayerNorm(60, eps=1e-12))
+    model.register_buffer("mask", torch.full((4,), -1e9))
+    with torch.no_grad():
+        model[0].bias[0] = float("nan")
+    return model
+
+
+def clean_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16), nn.LayerNorm(16))
+
+
+def not_a_model() -> dict[str, int]:
+    return {"layers": 2}
+
+
+def broken_factory() -> nn.Module:
+    raise RuntimeError("checkpoint missing")
+
+
+def test_doctor_prints_the_report_and_recommends_bf16_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("amp_plugin doctor")
+    assert "matmul" not in out
+    if not torch.cuda.is_available():
+        assert "recommended  precision='bf16-mixed'" in out
+
+
+def test_doctor_json_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--json", "--no-measure"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert set(document) == {"device", "audit"} and document["audit"] is None
+    assert document["device"]["recommended_precision"] in ("bf16-mixed", "16-mixed")
+
+
+def test_doctor_audits_a_bad_model_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--no-measure", "--model", "tests.unit.test_main:bad_model"]) == 1
+    out = capsys.readouterr().out
+    assert "Audit of Sequential: 1 error, 1 warning, 2 info" in out
+    for code in ("nonfinite-values", "fp16-overflow", "norm-eps", "tensor-core-size"):
+        assert code in out
+
+
+def test_doctor_json_with_a_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--json", "--no-measure", "--model", "tests.unit.test_main:bad_model"]) == 1
+    audit = json.loads(capsys.readouterr().out)["audit"]
+    assert audit["ok"] is False and audit["counts"] == {"error": 1, "warning": 1, "info": 2}
+
+
+def test_doctor_passes_a_clean_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--no-measure", "--model", "tests.unit.test_main:clean_model"]) == 0
+    assert "No fp16 hazards found" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("tests.unit.test_main", r"is not a factory spec; expected 'package.module:factory'"),
+        ("tests.unit.test_main:", r"is not a factory spec"),
+        ("no_such_package.models:build", r"importing 'no_such_package.models' failed \(ModuleNotFoundError"),
+        ("tests.unit.test_main:missing", r"has no attribute 'missing'; expected a callable"),
+        ("tests.unit.test_main:NOT_CALLABLE", r"'NOT_CALLABLE' is a int, not callable"),
+        ("tests.unit.test_main:not_a_model", r"not_a_model\(\) returned a dict; expected a torch.nn.Module"),
+        ("tests.unit.test_main:broken_factory", r"calling broken_factory\(\) raised RuntimeError"),
+    ],
+)
+def test_doctor_model_errors_exit_2_with_a_message(
+    spec: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["doctor", "--no-measure", "--model", spec]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"amp-plugin doctor: error: --model {spec!r}")
+    assert "HINT:" in captured.err
+    with pytest.raises((ValueError, TypeError, ImportError, RuntimeError), match=expected):
+        load_model(spec)
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "doctor" in capsys.readouterr().err
+    assert main(["doctor", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+
+
+def test_load_model_accepts_a_class_and_dotted_attributes() -> None:
+    assert isinstance(load_model("torch.nn:Identity"), nn.Identity)
+    assert isinstance(load_model("torch:nn.Identity"), nn.Identity)
+
+
+def test_console_script_points_at_main() -> None:
+    (entry,) = importlib.metadata.entry_points(group="console_scripts", name="amp-plugin")
+    assert entry.value == "amp_plugin.__main__:main"
+
+
+def test_python_dash_m_entry_point() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "amp_plugin", "doctor", "--json", "--no-measure"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["device"]["versions"]["torch"] == torch.__version__
