@@ -180,6 +180,9 @@ class AMPPrecision(Precision):
     @override
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
+        # Once per batch, before any clip: a manual clip_gradients() records the norm that
+        # optimizer_step must not forget.
+        self.last_grad_norm = None
         with self.forward_context():
             yield
         # Manual optimization: one update per training batch, after every optimizer's step.
@@ -199,7 +202,6 @@ class AMPPrecision(Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        self.last_grad_norm = None
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
@@ -280,6 +282,8 @@ class AMPPrecision(Precision):
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
+            self.last_grad_norm = self._grad_norm(optimizer)
         if self.scaler is not None:
             self.scaler.clip_grad_value_(optimizer, float(clip_val))
         else:

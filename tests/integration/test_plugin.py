@@ -278,9 +278,12 @@ def test_manual_optimization_clips_unscaled_gradients() -> None:
     """Lightning issue 18089: clip_gradients after manual_backward clipped the scaled gradients."""
     module = _ManualClipModule()
     scaler = LossScaler(init_scale=2.0**8)
-    _fit(module, AMPPrecision("16-mixed", device="cpu", scaler=scaler), steps=3)
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=scaler)
+    module.on_train_batch_start = lambda *_: plugin.request_grad_norm()  # type: ignore[method-assign]
+    _fit(module, plugin, steps=3)
     assert scaler.skipped_steps == 0
     assert module.clipped_norms == pytest.approx([1e-3] * 3, rel=1e-3)
+    assert plugin.last_grad_norm is not None and plugin.last_grad_norm > 0.1  # the norm before the clip
 
 
 def test_manual_optimization_double_step_raises() -> None:

@@ -1,0 +1,332 @@
+"""LossScaleMonitor in real Trainer.fit runs: the scaler's own history is the oracle of the logs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from amp_plugin import AMPPrecision, LossScaler
+from amp_plugin.callbacks import LossScaleMonitor
+
+POISON = (7, 8, 19)  # steps whose gradient gets an inf (0-based)
+
+
+def _loader(n: int = 40, batch: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(n * batch, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch)
+
+
+class Amplify(nn.Module):
+    """Multiplies by a large factor: in fp16 its output overflows."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class Probe(LightningModule):
+    """A small regression model that poisons chosen steps and records the scaler after each step."""
+
+    def __init__(
+        self, poison: tuple[int, ...] = POISON, value: float = math.inf, param: str = "net.3.weight",
+        amplify: float = 1.0, rank_poison: int | None = None, out_dir: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), Amplify(amplify), nn.Linear(16, 1))
+        self.poison, self.value, self.param = poison, value, param
+        self.rank_poison, self.out_dir = rank_poison, out_dir
+        self.seen: list[dict[str, Any]] = []  # per optimizer step: what the scaler says
+        self.true_norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def on_after_backward(self) -> None:
+        if self.global_step in self.poison and self.rank_poison in (None, self.global_rank):
+            self.get_parameter(self.param).grad.view(-1)[3] = self.value
+        scaler = self.trainer.precision_plugin.scaler
+        scale = 1.0 if scaler is None else scaler.get_scale()
+        grads = torch.cat([p.grad.flatten() for p in self.parameters()]).double()
+        self.true_norms.append(grads.norm().item() / scale)  # still scaled here: divide by the known scale
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        scaler = self.trainer.precision_plugin.scaler
+        if scaler is not None:
+            self.seen.append(
+                {
+                    "scale": scaler.get_scale(),
+                    "skipped": scaler.skipped_steps,
+                    "flag": scaler.last_step_skipped,
+                }
+            )
+
+    def on_train_end(self) -> None:
+        if self.out_dir is not None:
+            Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(self.seen))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _plugin(init_scale: float = 2.0**10, **kwargs: Any) -> AMPPrecision:
+    return AMPPrecision(
+        "16-mixed", device="cpu", scaler=LossScaler(init_scale=init_scale, growth_interval=5, **kwargs)
+    )
+
+
+def _fit(
+    module: LightningModule, monitor: LossScaleMonitor, plugin: Any = None, steps: int = 30,
+    ckpt: str | None = None, **trainer_kwargs: Any,
+) -> Trainer:  # fmt: skip
+    trainer_kwargs.setdefault("logger", False)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin or _plugin()], callbacks=[monitor],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(module, _loader(), ckpt_path=ckpt)
+    return trainer
+
+
+def _rows(logger: CSVLogger) -> list[dict[str, float]]:
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def _same(a: float, b: float) -> bool:
+    return (not math.isfinite(a) and not math.isfinite(b)) or math.isclose(a, b, rel_tol=1e-5)
+
+
+@pytest.fixture
+def said(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """Lightning's rank-zero info messages."""
+    caplog.set_level("INFO")
+    return caplog
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_csv_series_match_the_scalers_history(tmp_path: Path, clip: float | None) -> None:
+    module, logger = Probe(), CSVLogger(tmp_path)
+    monitor = LossScaleMonitor(warmup_steps=5, window=10, max_skip_rate=0.2, plot_path=tmp_path / "scale.png")
+    trainer = _fit(module, monitor, logger=logger, log_every_n_steps=3, gradient_clip_val=clip)
+    assert trainer.precision_plugin._fast_clip  # the monitor does not look between backward and step
+    rows = [r for r in _rows(logger) if "amp/scale" in r]
+    assert [int(r["step"]) for r in rows] == list(range(2, 30, 3))  # log_every_n_steps respected
+    flags = [s["flag"] for s in module.seen]
+    assert [i for i, f in enumerate(flags) if f] == list(POISON)
+    for row in rows:
+        step = int(row["step"])
+        truth = module.seen[step]
+        assert row["amp/scale"] == truth["scale"]
+        assert row["amp/skipped_steps"] == truth["skipped"]
+        recent = flags[max(0, step + 1 - 10) : step + 1]
+        assert row["amp/skip_rate"] == pytest.approx(sum(recent) / len(recent))
+        assert _same(row["amp/grad_norm"], module.true_norms[step])
+        if clip is None:
+            assert "amp/grad_norm_clipped" not in row
+        else:
+            norm = module.true_norms[step]  # a skipped step has no clipped norm: it was not clipped
+            assert _same(row["amp/grad_norm_clipped"], min(norm, clip) if math.isfinite(norm) else math.nan)
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert monitor.health == "sporadic"
+
+
+def test_value_clipping_logs_the_norm_before_the_clip_and_says_why(
+    tmp_path: Path, said: pytest.LogCaptureFixture
+) -> None:
+    module, logger = Probe(poison=()), CSVLogger(tmp_path)
+    _fit(module, LossScaleMonitor(), logger=logger, log_every_n_steps=5, gradient_clip_val=1e-3,
+         gradient_clip_algorithm="value")  # fmt: skip
+    rows = [r for r in _rows(logger) if "amp/scale" in r]
+    assert len(rows) == 6 and all("amp/grad_norm_clipped" not in r for r in rows)
+    for row in rows:
+        assert _same(row["amp/grad_norm"], module.true_norms[int(row["step"])])  # unscaled, before the clip
+    assert said.text.count("amp/grad_norm_clipped is not logged") == 1
+
+
+def test_tensorboard_gets_the_same_series(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    module, logger = Probe(), TensorBoardLogger(tmp_path)
+    _fit(module, LossScaleMonitor(), logger=logger, log_every_n_steps=5)
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    assert {"amp/scale", "amp/skipped_steps", "amp/skip_rate", "amp/grad_norm"} <= set(
+        events.Tags()["scalars"]
+    )
+    assert [(e.step, e.value) for e in events.Scalars("amp/scale")] == [
+        (s, module.seen[s]["scale"]) for s in range(4, 30, 5)
+    ]
+
+
+def test_bf16_logs_norm_and_skips_and_says_once_why_no_scale(
+    tmp_path: Path, said: pytest.LogCaptureFixture
+) -> None:
+    logger = CSVLogger(tmp_path)
+    _fit(Probe(poison=()), LossScaleMonitor(), AMPPrecision("bf16-mixed"), logger=logger, log_every_n_steps=5)
+    rows = [r for r in _rows(logger) if "amp/skip_rate" in r]
+    assert len(rows) == 6 and all("amp/scale" not in r for r in rows)
+    assert all(r["amp/skipped_steps"] == 0 and r["amp/grad_norm"] > 0 for r in rows)
+    assert said.text.count("amp/scale is not logged") == 1
+
+
+def test_no_logger_keeps_the_summary_and_says_so_once(said: pytest.LogCaptureFixture) -> None:
+    monitor = LossScaleMonitor(warmup_steps=5)
+    _fit(Probe(), monitor, accumulate_grad_batches=2, steps=20)
+    assert said.text.count("has no logger") == 1
+    # 40 batches, 20 optimizer steps: the monitor counts scaler updates, not micro-batches.
+    assert monitor.summary().startswith("LossScaleMonitor: 20 steps, 3 skipped")
+    assert "LossScaleMonitor: 20 steps" in said.text  # printed at the end of fit
+
+
+@pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended")
+def test_resume_continues_counters_and_logs_the_restored_scale(tmp_path: Path) -> None:
+    first, probe = LossScaleMonitor(warmup_steps=5), Probe()
+    trainer = _fit(probe, first, steps=20)
+    path = str(tmp_path / "step20.ckpt")
+    trainer.save_checkpoint(path)
+    scale, skipped = probe.seen[-1]["scale"], probe.seen[-1]["skipped"]
+
+    second, module, logger = (
+        LossScaleMonitor(warmup_steps=5),
+        Probe(poison=()),
+        CSVLogger(tmp_path, version=1),
+    )
+    _fit(module, second, _plugin(init_scale=2.0**16), steps=23, ckpt=path, logger=logger, log_every_n_steps=1)
+    rows = [r for r in _rows(logger) if "amp/scale" in r]
+    assert int(rows[0]["step"]) == 20
+    assert rows[0]["amp/scale"] == scale != 2.0**16  # restored, not the new scaler's init_scale
+    assert rows[0]["amp/skipped_steps"] == skipped == 3
+    n, old, new = len(first.history), first.history, second.history
+    assert [r[:3] for r in new[:n]] == [r[:3] for r in old]  # the monitor's own history continues
+    assert new[n][:3] == (20, scale, skipped)
+    assert second.summary().startswith("LossScaleMonitor: 23 steps, 3 skipped")
+    assert second.health == first.health == "sporadic"
+
+
+def test_raise_stops_training_with_history_and_forensics() -> None:
+    monitor = LossScaleMonitor(warmup_steps=3, max_consecutive_skips=4, on_pathological="raise")
+    module = Probe(poison=tuple(range(10, 30)))
+    with pytest.raises(RuntimeError, match="4 steps in a row were skipped") as info:
+        _fit(module, monitor)
+    message = str(info.value)
+    assert "Steps 1-14 (x = skipped): ..........xxxx" in message
+    assert "Recent scale (step: scale):" in message and "13: 512, 14: 256" in message
+    assert "Non-finite gradients: net.3.weight (inf in 1 of 16 values, float32)" in message
+    assert "trace_nonfinite=True" in message
+    assert len(module.seen) == 13  # stopped in the 14th step's on_train_batch_end
+    assert monitor.health == "pathological"
+
+
+def test_first_skip_names_the_nan_parameter(said: pytest.LogCaptureFixture) -> None:
+    monitor = LossScaleMonitor(warmup_steps=3)
+    _fit(Probe(poison=(12, 20), value=math.nan, param="net.0.bias"), monitor)
+    assert said.text.count("Non-finite gradients: net.0.bias (nan in 1 of 16 values, float32)") == 1
+    assert "step 13 was skipped after warm-up" in said.text and monitor.health == "sporadic"
+
+
+def test_scale_at_min_scale_is_pathological_and_warns() -> None:
+    monitor = LossScaleMonitor(warmup_steps=3)
+    plugin = _plugin(init_scale=256.0, min_scale=256.0, max_scale=256.0)
+    with pytest.warns(UserWarning, match=r"(?s)sits at min_scale=256.*Non-finite gradients: net.3.weight"):
+        _fit(Probe(), monitor, plugin, steps=10)
+    assert monitor.health == "pathological"
+
+
+class _Validating(Probe):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.net(batch[0])
+
+
+class _TracerWatch(Callback):
+    def __init__(self, monitor: LossScaleMonitor) -> None:
+        self.monitor, self.attached = monitor, []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.attached.append(self.monitor._tracer is not None and self.monitor._tracer.attached)
+
+    def on_validation_batch_start(self, *args: Any) -> None:
+        self.attached.append(self.monitor._tracer is not None and self.monitor._tracer.attached)
+
+
+def test_trace_names_the_overflowing_module(said: pytest.LogCaptureFixture) -> None:
+    module, monitor = _Validating(poison=(), amplify=1e5), LossScaleMonitor(trace_nonfinite=True)
+    watch = _TracerWatch(monitor)
+    trainer = Trainer(
+        accelerator="cpu", max_steps=4, plugins=[_plugin()], callbacks=[monitor, watch], logger=False,
+        val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader(), _loader(n=1))
+    assert "net.2 (Amplify, float16) produced inf in forward (its output)" in said.text
+    assert "HINT: run Amplify in fp32 (AMPPrecision(fp32_modules=(Amplify,)))" in said.text
+    # Hooked while training, not while validating, and nothing is left behind.
+    assert watch.attached == [True, True, False, True, True, False]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in module.modules())
+
+
+def test_needs_amp_precision() -> None:
+    with pytest.raises(TypeError, match=r"precision plugin is MixedPrecision.*HINT"):
+        _fit(Probe(), LossScaleMonitor(), MixedPrecision("16-mixed", "cpu"), steps=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup_steps": -1}, r"warmup_steps=-1\) is not allowed: an int >= 0"),
+        ({"window": 0}, r"window=0\) is not allowed: an int >= 1"),
+        ({"max_consecutive_skips": True}, r"max_consecutive_skips=True\) is not allowed"),
+        ({"max_skip_rate": 1.5}, r"max_skip_rate=1.5\) is not allowed: a number in \(0, 1\]"),
+        ({"on_pathological": "stop"}, r"on_pathological='stop'\) is not allowed: 'warn' or 'raise'"),
+        ({"trace_nonfinite": 1}, r"trace_nonfinite=1\) is not allowed"),
+        ({"plot_path": 3}, r"plot_path=3\) is not allowed"),
+    ],
+)
+def test_bad_arguments_raise(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=r"^LossScaleMonitor\(" + match + ".*HINT"):
+        LossScaleMonitor(**kwargs)
+
+
+def test_plot_without_matplotlib_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"needs matplotlib.*HINT: pip install 'amp_plugin\[examples\]'"):
+        LossScaleMonitor(plot_path="scale.png")
+
+
+def test_ddp_spawn_rank_zero_writes_and_ranks_agree(tmp_path: Path) -> None:
+    # Only rank 1 poisons its (already all-reduced) gradients: the scaler's found_inf sync makes both skip.
+    module = Probe(poison=(4, 9), rank_poison=1, out_dir=str(tmp_path))
+    logger = CSVLogger(tmp_path, version=0)  # resolved here, not separately in the worker
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=12, plugins=[_plugin()],
+        callbacks=[LossScaleMonitor(warmup_steps=2)], logger=logger, log_every_n_steps=2,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader(n=24))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and len(ranks[0]) == 12
+    assert [i for i, s in enumerate(ranks[0]) if s["flag"]] == [4, 9]
+    rows = [r for r in _rows(logger) if "amp/scale" in r]
+    assert [int(r["step"]) for r in rows] == list(range(1, 12, 2))
+    for row in rows:
+        truth = ranks[0][int(row["step"])]
+        assert (row["amp/scale"], row["amp/skipped_steps"]) == (truth["scale"], truth["skipped"])
+    assert len(list(tmp_path.rglob("metrics.csv"))) == 1
