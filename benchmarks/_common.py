@@ -1,0 +1,157 @@
+"""Helpers shared by the benchmark scripts: device choice, timing, tables, JSON.
+
+Timing protocol: every case is timed in rounds that interleave all cases (the order
+rotates each round), after warm-up rounds that are thrown away; a case's result is the
+median of its samples. Interleaving means a burst of load from another process on the
+machine hits every case alike instead of one case's block, so ratios stay meaningful.
+``setup``/``teardown`` run outside the timed region, and on CUDA the device is
+synchronised on both sides of it, so a sample covers exactly the queued work of ``run``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Case",
+    "default_device",
+    "environment",
+    "format_table",
+    "measure",
+    "median_ms",
+    "synchronize",
+    "write_json",
+]
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One timed operation: ``setup()`` and ``teardown()`` run untimed around ``run()``."""
+
+    name: str
+    run: Callable[[], object]
+    setup: Callable[[], object] = _nothing
+    teardown: Callable[[], object] = _nothing
+
+
+def default_device() -> str:
+    """``"cuda"`` when a CUDA device is usable, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued device work; a no-op on CPU, where every op has finished on return."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(
+    cases: Sequence[Case], *, device: torch.device | str, warmup: int, repeats: int
+) -> dict[str, list[float]]:
+    """Time every case ``repeats`` times (after ``warmup`` untimed rounds), interleaved.
+
+    Returns:
+        The samples of each case in milliseconds, keyed by ``Case.name``, in timing order.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    samples: dict[str, list[float]] = {case.name: [] for case in cases}
+    # A collection pause inside a timed region would be charged to whichever case it hit.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for round_index in range(warmup + repeats):
+            shift = round_index % len(cases)
+            for case in [*cases[shift:], *cases[:shift]]:
+                case.setup()
+                synchronize(device)
+                start = time.perf_counter()
+                case.run()
+                synchronize(device)
+                elapsed_ms = (time.perf_counter() - start) * 1e3
+                case.teardown()
+                if round_index >= warmup:
+                    samples[case.name].append(elapsed_ms)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return samples
+
+
+def median_ms(samples: Sequence[float]) -> float:
+    """The median of a case's samples (robust to the odd preempted repeat)."""
+    return float(statistics.median(samples))
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned.
+
+    A row that is empty prints as a separator line.
+    """
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(cells)
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    out = [line(headers), rule]
+    out += [line(row) if row else rule for row in rows]
+    return "\n".join(out)
+
+
+def environment(device: torch.device | str) -> dict[str, Any]:
+    """Where the numbers come from: host, device, library versions and the date."""
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": dev.type,
+        "device_name": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        # Other processes on a small machine distort timings; this says how busy it was.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _cpu_name() -> str:
+    # platform.processor() is often empty or just "x86_64" on Linux; cpuinfo has the model.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON, creating parent folders."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,76 @@
+"""The examples run end to end (short ``--smoke`` runs, each in its own process) and say what they did."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _run(script: str, *args: str, cwd: Path) -> str:
+    env = dict(os.environ)
+    # One intra-op thread: next to other test processes, a second OpenMP thread that waits for a
+    # core makes every op wait a scheduler slice, and a 4 s run takes a minute.
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--smoke", *args],
+        cwd=cwd,  # the CSV logs land under cwd/runs
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (
+        f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc.stdout + proc.stderr
+
+
+def _summary_value(output: str, key: str) -> str:
+    summary = output.rsplit("\nSummary\n", 1)[-1]
+    for line in summary.splitlines():
+        name, _, value = line.strip().partition(":")
+        if name == key:
+            return value.strip()
+    raise AssertionError(f"no {key!r} line in the summary:\n{summary}")
+
+
+def test_quickstart_auto_picks_bf16_on_cpu(tmp_path: Path) -> None:
+    out = _run("quickstart.py", "--accelerator", "cpu", cwd=tmp_path)
+    assert "AMPPrecision('auto') chose bf16-mixed" in out
+    assert _summary_value(out, "precision").startswith("bf16-mixed  (auto: bf16: CPU autocast supports bf16)")
+    assert _summary_value(out, "loss scaling").startswith("no loss scaling needed for bf16")
+    assert float(_summary_value(out, "throughput").split()[0]) > 0
+    assert _summary_value(out, "model").endswith("12 steps")
+    # Even 12 steps of the small smoke model beat chance (12.5%) by a margin.
+    assert float(_summary_value(out, "val accuracy").split("%")[0]) > 25
+    assert (tmp_path / "runs" / "quickstart" / "version_0" / "metrics.csv").is_file()
+
+
+def test_quickstart_fp16_reports_the_scaler(tmp_path: Path) -> None:
+    out = _run("quickstart.py", "--accelerator", "cpu", "--precision", "16-mixed", cwd=tmp_path)
+    assert _summary_value(out, "precision").startswith("16-mixed")
+    scaling = _summary_value(out, "loss scaling")
+    assert scaling.startswith("final scale ") and "of 12 steps" in scaling
+
+
+def test_fp16_scaler_shows_warmup_growth_and_the_injected_overflow(tmp_path: Path) -> None:
+    out = _run("fp16_scaler.py", cwd=tmp_path)
+    assert "fp16 gradients overflowed: step skipped, scale x0.5" in out  # warm-up back-off from 2**16
+    assert "clean steps in a row: scale x2" in out
+    assert "loss is inf/NaN (fp16 forward overflowed): step skipped" in out  # the smoke run injects at 45
+    assert int(_summary_value(out, "warm-up").split()[0]) >= 1
+    later = _summary_value(out, "later")  # "2 at steps [12, 45]"
+    assert 45 in ast.literal_eval(later.partition("at steps ")[2])
+    assert _summary_value(out, "skipped steps").endswith("of 60")
+
+
+def test_ddp_example_ranks_agree(tmp_path: Path) -> None:
+    out = _run("ddp.py", "--devices", "2", "--precision", "16-mixed", cwd=tmp_path)
+    assert "precision     16-mixed on 2 x cpu" in out
+    assert "ranks agree" in out
+    assert "loss scaler   scale" in out
