@@ -100,7 +100,9 @@ def clip_grad_norm_(
         >>> round(res.total_norm.item(), 4), [round(g, 4) for g in grads[0].tolist()]
         (5.0, [0.6, 0.8])
     """
-    norm_in_memory = kernels.norm(grads, norm_type)
+    # Gradients already unscaled take torch's own recipe, so that the result is bit-identical to
+    # unscale_ + torch.nn.utils.clip_grad_norm_; scaled ones take the backend's fastest norm.
+    norm_in_memory = kernels.norm(grads, norm_type, exact=grad_scale is None)
     found_inf = (~torch.isfinite(norm_in_memory)).float()
     total_norm = norm_in_memory if grad_scale is None else norm_in_memory / grad_scale.to(norm_in_memory)
     if error_if_nonfinite and not bool(torch.isfinite(total_norm)):

@@ -152,8 +152,8 @@ class GlobalNormKernels:
     def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
         self.inner.unscale_(tensors, inv_scale, found_inf)
 
-    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
-        return global_norm(self.inner.norm(tensors, norm_type), norm_type, self.group)
+    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor:
+        return global_norm(self.inner.norm(tensors, norm_type, exact), norm_type, self.group)
 
     def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
         self.inner.mul_(tensors, factor)

@@ -9,7 +9,8 @@ passes over the gradients it makes in theory (a read+write counts 2, a read coun
   (c)  clip + step + update with torch.optim.AdamW(fused=True):
        GradScaler (unscale_, clip, step, update)                   5 passes + the step
        LossScaler (clip folded into the optimizer's grad_scale)    1 pass  + the step
-  (d)  floors: one _foreach_mul_ (read+write) and one _foreach_norm (read)
+  (d)  floors: one _foreach_mul_ (read+write) and the fastest read (the torch backend's norm);
+       torch's own _foreach_norm read is shown for reference
 
 Every timed repeat starts from the same scaled gradients (copied from a stored master
 outside the timed region), with clipping active, no overflow and a scale that does not
@@ -49,7 +50,9 @@ INIT_SCALE = 2.0**16
 GROWTH_INTERVAL = 1_000_000_000
 GRAD_STD = 1e-3  # unscaled gradient magnitude; times 2**16 it stays far from fp32 overflow
 MAX_NORM = 1.0  # the unscaled total norm is about GRAD_STD * sqrt(params) = 10 at 100M, so clipping acts
-RTOL = 1e-5
+# Two fp32 reductions over 1e8 elements differ by a few 1e-5 (torch's own norm is 2.6e-5 off the
+# fp64 truth here, the torch backend's BLAS-based one 1.1e-5), so paths are compared to that.
+RTOL = 1e-4
 TARGET_B_OVER_A = 0.65
 TARGET_B_OVER_FLOOR = 1.2
 # A median this far above the fastest repeat means other jobs preempted our threads.
@@ -209,6 +212,11 @@ class Bench:
         torch._foreach_mul_(self.grads, 1.0000001)
 
     def floor_read(self) -> None:
+        # The fastest single read we have: on CPU the torch backend's norm uses BLAS dot, which
+        # is about twice as fast as torch's own norm reduction (row d_read_torch).
+        get_kernels("torch", self.grads[0].device).norm(self.grads)
+
+    def torch_read(self) -> None:
         torch._foreach_norm(self.grads)
 
 
@@ -216,6 +224,7 @@ def check(bench: Bench, backends: Sequence[str]) -> dict[str, Any]:
     """Run every path once and compare it with torch's recipe; exit 1 on a mismatch."""
     failures: list[str] = []
     bench.regenerate()
+    truth = math.sqrt(sum(float(g.double().square().sum()) for g in bench.grads)) / INIT_SCALE
     norm_a = bench.torch_clip(bench.holder)
     bench.torch_scaler.update()
     reference = [g.clone() for g in bench.grads]
@@ -225,12 +234,14 @@ def check(bench: Bench, backends: Sequence[str]) -> dict[str, Any]:
         failures.append(
             f"clipping is inactive (total norm {norm:.4g} <= max_norm {MAX_NORM}); use more --params"
         )
-    out: dict[str, Any] = {"total_norm": norm, "clip_coef": coef, "rtol": RTOL}
+    out: dict[str, Any] = {"total_norm": norm, "clip_coef": coef, "rtol": RTOL, "fp64_norm": truth}
+    out["norm_error_vs_fp64_gradscaler"] = abs(norm - truth) / truth
     for name in backends:
         bench.regenerate()
         norm_b = float(bench.ours_clip(bench.scalers[name], bench.holder))
         bench.scalers[name].update()
         out[f"norm_rel_diff_{name}"] = abs(norm_b - norm) / norm
+        out[f"norm_error_vs_fp64_{name}"] = abs(norm_b - truth) / truth
         out[f"grad_rel_diff_{name}"] = relative_error(bench.grads, reference)
         if not math.isclose(norm_b, norm, rel_tol=RTOL):
             failures.append(f"[{name}] clip norm {norm_b!r} != torch's {norm!r} (rtol {RTOL})")
@@ -271,7 +282,8 @@ def paths(backends: Sequence[str]) -> list[Row]:
     ]
     rows += [
         Row("d_read_write", "(d) floor: _foreach_mul_ (read+write)", "torch", "2", "clip"),
-        Row("d_read", "(d) floor: _foreach_norm (read)", "torch", "1", "clip"),
+        Row("d_read", "(d) floor: fastest read (torch-kernel norm)", "torch", "1", "clip"),
+        Row("d_read_torch", "    torch._foreach_norm (read, ref.)", "torch", "1", "clip"),
         Row("c_gradscaler", "(c) GradScaler clip + step + update", "torch", "5 + step", "step"),
     ]
     rows += [
@@ -293,6 +305,7 @@ def cases(bench: Bench, rows: Sequence[Row]) -> list[Case]:
         "a": lambda: bench.torch_clip(bench.holder),
         "d_read_write": bench.floor_read_write,
         "d_read": bench.floor_read,
+        "d_read_torch": bench.torch_read,
         "c_gradscaler": lambda: bench.torch_clip_step(fused),
         "c_gradscaler_noclip": lambda: bench.torch_step(fused),
     }
@@ -342,7 +355,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = check(bench, args.backends)
     print(
         f"  check    unscaled total norm {checks['total_norm']:.4g}, max_norm {MAX_NORM:g} "
-        f"-> clip coef {checks['clip_coef']:.3g}; (b) and folded (c) agree with torch to rtol {RTOL:g}"
+        f"-> clip coef {checks['clip_coef']:.3g}; (b) and folded (c) agree with torch to rtol {RTOL:g}\n"
+        f"           norm error vs fp64: GradScaler path {checks['norm_error_vs_fp64_gradscaler']:.1e}, "
+        + ", ".join(
+            f"[{k[len('norm_error_vs_fp64_') :]}] {v:.1e}"
+            for k, v in checks.items()
+            if k.startswith("norm_error_vs_fp64_") and not k.endswith("gradscaler")
+        )
     )
     print("  passes   over the gradients (read+write = 2, read = 1); 'step' = the fused AdamW step itself,")
     print("           (+1): given grad_scale, the fused step also writes the unscaled grads back")

@@ -103,9 +103,9 @@ class ApexKernels:
             for group in groups.values():
                 self._scale(group, scale, found_inf)
 
-    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
-        if norm_type != 2:
-            return self._torch.norm(tensors, norm_type)
+    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor:
+        if norm_type != 2 or exact:  # torch's bit-exact recipe is torch's own
+            return self._torch.norm(tensors, norm_type, exact)
         first = _first_device(tensors)
         if first is None:
             return torch.zeros((), dtype=torch.float32)

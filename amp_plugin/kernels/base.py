@@ -14,11 +14,14 @@ Semantics (identical for every backend; the torch backend is the oracle in tests
     ``found_inf`` is never reset: the caller zeroes it. Bit-identical to
     ``torch._amp_foreach_non_finite_check_and_unscale_``.
 
-``norm(tensors, norm_type)``
+``norm(tensors, norm_type, exact=False)``
     The total ``norm_type``-norm of all tensors together, accumulated and returned in
     fp32 (an fp16 gradient norm above 65504 is finite here), as a 0-dim tensor on the
     device of the first tensor (CPU when the list is empty, where it is 0). Any inf or
-    NaN input makes the result non-finite, so a norm doubles as an inf check.
+    NaN input makes the result non-finite, so a norm doubles as an inf check. With
+    ``exact=True`` the result is bit-identical to the total norm that
+    ``torch.nn.utils.clip_grad_norm_`` computes (``kernels.torch.reference_norm``);
+    otherwise a backend may use any faster fp32 reduction.
 
 ``mul_(tensors, factor)``
     Multiply every tensor in place by ``factor`` (an fp32 scalar tensor on any device),
@@ -49,7 +52,7 @@ class Kernels(Protocol):
 
     def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None: ...
 
-    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor: ...
+    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor: ...
 
     def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None: ...
 
