@@ -25,10 +25,8 @@ Run::
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
+from quickstart import quiet_lightning  # the same console clean-up as the quickstart
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -44,7 +43,6 @@ from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
 FEATURES = 16
 TARGET_SIZE = 20.0  # large targets make the first scaled gradients overflow fp16
 HEARTBEAT = 50
-_BANNERS = ("available:", "Tip: For seamless cloud logging")
 
 
 def make_dataset(n: int, seed: int) -> TensorDataset:
@@ -139,18 +137,6 @@ def _describe(event: Event, growth_interval: int) -> str:
     if event.scale_after < event.scale_before:
         what += f", scale x{event.scale_after / event.scale_before:g}"
     return what
-
-
-def quiet_lightning() -> None:
-    """Keep the console to the timeline, the monitor's verdicts and the summary."""
-    # Lightning's hardware banner and its tip share a logger with the monitor's messages.
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: not any(banner in record.getMessage() for banner in _BANNERS)
-    )
-    # The data lives in memory: worker processes would only add start-up time.
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; nothing a user can act on.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
