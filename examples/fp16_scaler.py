@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
-from quickstart import quiet_lightning  # the same console clean-up as the quickstart
+from quickstart import print_key_values, quiet_lightning  # shared with the quickstart
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -223,10 +223,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("train loss", f"{summary['final_train_loss']:.3f} (mean of the last 20 clean steps)"),
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
     ]
-    width = max(len(key) for key, _ in lines)
-    print("\nSummary")
-    for key, value in lines:
-        print(f"  {key + ':':<{width + 1}} {value}")
+    print_key_values("Summary", lines)
 
 
 if __name__ == "__main__":

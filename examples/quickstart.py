@@ -297,8 +297,13 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("wall time", f"{summary['wall_seconds']:.1f} s (data, model, fit and validation)"),
         ("logs", f"{summary['log_dir']}/metrics.csv (loss, val_acc, amp/*)"),
     ]
+    print_key_values("Summary", lines)
+
+
+def print_key_values(title: str, lines: Sequence[tuple[str, str]]) -> None:
+    """Print aligned ``key: value`` lines under a title (the examples' summaries)."""
     width = max(len(key) for key, _ in lines)
-    print("\nSummary")
+    print(f"\n{title}")
     for key, value in lines:
         print(f"  {key + ':':<{width + 1}} {value}")
 
