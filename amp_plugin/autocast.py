@@ -331,6 +331,19 @@ class Fp32Modules:
         self._handles.clear()
 
 
+def check_module_classes(classes: object) -> tuple[type[nn.Module], ...]:
+    """Validate a sequence of module classes (``fp32_modules``); return it as a tuple."""
+    valid = isinstance(classes, (tuple, list)) and all(
+        isinstance(c, type) and issubclass(c, nn.Module) for c in classes
+    )
+    if not valid:
+        raise TypeError(
+            f"got classes={classes!r}; allowed: a tuple of torch.nn.Module subclasses. "
+            "HINT: pass classes, not instances, in a tuple, e.g. (torch.nn.LayerNorm,)."
+        )
+    return tuple(classes)  # type: ignore[arg-type]
+
+
 def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modules:
     """Run every submodule of ``model`` that is an instance of ``classes`` in fp32, autocast off.
 
@@ -354,12 +367,4 @@ def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modu
         raise TypeError(
             f"force_fp32 got model={model!r}; a torch.nn.Module is allowed. HINT: pass the model."
         )
-    valid = isinstance(classes, (tuple, list)) and all(
-        isinstance(c, type) and issubclass(c, nn.Module) for c in classes
-    )
-    if not valid:
-        raise TypeError(
-            f"force_fp32 got classes={classes!r}; allowed: a tuple of torch.nn.Module subclasses. "
-            "HINT: pass classes, not instances, in a tuple, e.g. (torch.nn.LayerNorm,)."
-        )
-    return Fp32Modules(model, tuple(classes))
+    return Fp32Modules(model, check_module_classes(classes))

@@ -158,12 +158,6 @@ class GlobalNormKernels:
     def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
         self.inner.mul_(tensors, factor)
 
-    def unscale_norm_(
-        self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float = 2.0
-    ) -> Tensor:
-        local = self.inner.unscale_norm_(tensors, inv_scale, found_inf, norm_type)
-        return global_norm(local, norm_type, self.group)
-
 
 def check_consistency(
     scaler: LossScaler | None,

@@ -69,8 +69,7 @@ class AMPPrecision(Precision):
     ) -> None:
         _validate(precision, scaler, clip_fused, lr_on_skip)
         self.kernels = check_backend(kernels)
-        self.fp32_modules = tuple(fp32_modules)
-        autocast.force_fp32(nn.Module(), self.fp32_modules).remove()  # validates the classes now
+        self.fp32_modules = autocast.check_module_classes(fp32_modules)
         self.clip_fused = clip_fused
         self.lr_on_skip = lr_on_skip
         self.requested = precision
@@ -91,12 +90,7 @@ class AMPPrecision(Precision):
     def _resolve(self, device: str) -> None:
         device_type = torch.device(device).type
         dtype = autocast.resolve_precision(self.requested, device_type)
-        if self.scaler is not None and dtype == torch.bfloat16:
-            raise ValueError(
-                f"AMPPrecision(precision={self.requested!r}) resolved to bf16 on {device_type!r}, which "
-                "needs no loss scaler, but a scaler was passed. HINT: pass precision='16-mixed' to use "
-                "the scaler, or drop scaler= for bf16."
-            )
+        # A scaler comes only with "16-mixed" (_validate), which always resolves to fp16.
         if self.scaler is None and dtype == torch.float16:
             self.scaler = LossScaler(kernels=self.kernels)
         self.device, self.dtype = device_type, dtype
@@ -138,7 +132,7 @@ class AMPPrecision(Precision):
             )
         findings = diagnostics.check_optimizer_setup(
             model,
-            [unwrap_optimizer(o) for o in optimizers],
+            optimizers,
             device_type=self.device,
             dtype=self.dtype,
             grad_scaling=self.scaler is not None,

@@ -263,7 +263,7 @@ class LossScaler:
         """Where ``optimizer`` stands in this iteration: gradients still scaled, unscaled, or stepped."""
         state = self._states.get(id(unwrap_optimizer(optimizer)))
         stage = _Stage.READY if state is None else state.stage
-        return "ready" if stage is _Stage.READY else "unscaled" if stage is _Stage.UNSCALED else "stepped"
+        return cast(Literal["ready", "unscaled", "stepped"], stage.name.lower())
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); synchronises the host."""

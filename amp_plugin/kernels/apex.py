@@ -4,24 +4,22 @@ This module is imported only when the backend is chosen (see :func:`~amp_plugin.
 ``amp_C`` itself is imported when :class:`ApexKernels` is constructed. The semantics are those of
 :mod:`amp_plugin.kernels.base`; what follows is where this backend runs ``amp_C`` and why.
 
-**The host-sync question.** ``amp_C``'s kernels that multiply (``multi_tensor_scale``,
-``multi_tensor_l2norm_scale``) take the factor as a C ``float``: a Python number, read on the host
+**The host-sync question.** ``amp_C``'s kernel that multiplies (``multi_tensor_scale``) takes
+the factor as a C ``float``: a Python number, read on the host
 before the launch. The contract passes the factor as a tensor. When that tensor lives on the GPU
 (as the loss scale does, like ``torch.amp.GradScaler``'s), reading it is a device-to-host sync: the
 host stalls until the whole backward pass has run before it can launch anything. The contract
 forbids that, so the factor's location decides:
 
 - factor on the host (a one-element fp32 CPU tensor, not the target of a copy still in flight):
-  its value is a memory read, not a sync, and ``unscale_``, ``mul_`` and ``unscale_norm_`` launch
-  ``amp_C``;
-- factor on a device: they run torch's fused ops, which read the factor on the device. For
-  ``unscale_`` and ``mul_`` that costs nothing: torch's op makes the same single read+write pass.
-  Only ``unscale_norm_`` loses ``amp_C``'s one-pass unscale-and-norm and reads the data once more.
+  its value is a memory read, not a sync, and ``unscale_`` and ``mul_`` launch ``amp_C``;
+- factor on a device: they run torch's fused ops, which read the factor on the device. That costs
+  nothing: torch's op makes the same single read+write pass.
 
 ``norm`` (``norm_type=2``) takes no factor and always runs ``multi_tensor_l2norm``. So with a
 scale kept on the GPU, ``amp_C`` serves the norm (clipping's norm, the fused clipping path) and
 torch serves the multiplications; a scaler that keeps a host copy of its scale gets ``amp_C``
-for all four operations, still without a sync.
+for all three operations, still without a sync.
 
 **Per tensor, the torch backend takes over** for tensors that ``amp_C`` cannot launch on: not on
 a device type in :attr:`ApexKernels.device_types` (CUDA), a dtype other than fp16/bf16/fp32
@@ -39,13 +37,6 @@ contiguous (``amp_C`` walks raw memory and refuses such tensors). Launches are p
   non-finite (partial sums are non-negative, so inf/NaN reaches the total); its flag is not used,
   because it also fires when a finite fp32/bf16 square overflows (values above about 1.8e19),
   which is not an inf in the gradients. For the same reason a norm above ~1.8e19 is inf here.
-- ``unscale_norm_`` fuses with ``multi_tensor_l2norm_scale`` for fp16 only (``amp_C`` has no bf16
-  version, and for fp32 its flag has the false alarm above; for fp16 it is exact, as 65504**2 times
-  any chunk length fits in fp32). It returns the norm of the scaled inputs times ``|inv_scale|``,
-  which is the norm of the unscaled values before they are rounded to fp16. For power-of-two
-  scales (the scaler's, with its default factors) that equals the norm after unscaling unless
-  unscaled values fall below fp16's normal range (6.1e-5); otherwise the two differ by fp16
-  rounding (relative 2**-11 at most).
 """
 
 from __future__ import annotations
@@ -63,8 +54,6 @@ from amp_plugin.kernels.torch import TorchKernels
 __all__ = ["ApexKernels"]
 
 _AMP_C_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-# Dtypes whose unscale_norm_ takes the fused kernel; the module docstring says why fp16 alone.
-_FUSED_UNSCALE_NORM_DTYPES = frozenset({torch.float16})
 
 _Groups = dict[tuple[torch.device, torch.dtype], list[Tensor]]
 
@@ -127,29 +116,6 @@ class ApexKernels:
             for group in groups.values():
                 self._scale(group, value, found_inf=None)
 
-    def unscale_norm_(
-        self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float = 2.0
-    ) -> Tensor:
-        scale = _host_value(inv_scale)
-        if scale is None or norm_type != 2:
-            self.unscale_(tensors, inv_scale, found_inf)
-            return self.norm(tensors, norm_type)
-        first = _first_device(tensors)
-        if first is None:
-            return torch.zeros((), dtype=torch.float32)
-        groups, rest = self._split(tensors)
-        with torch.no_grad():
-            partials = []
-            for (_, dtype), group in groups.items():
-                if dtype in _FUSED_UNSCALE_NORM_DTYPES:
-                    partials.append(self._l2norm_scale(group, scale, found_inf))
-                else:
-                    self._scale(group, scale, found_inf)
-                    partials.append(self._l2norm(group))
-            if rest:
-                partials.append(self._torch.unscale_norm_(rest, inv_scale, found_inf, 2.0))
-            return _total_l2(partials, first)
-
     def _split(self, tensors: Sequence[Tensor]) -> tuple[_Groups, list[Tensor]]:
         """Non-empty tensors ``amp_C`` can launch on, grouped by (device, dtype), and the rest."""
         launchable: list[Tensor] = []
@@ -178,15 +144,6 @@ class ApexKernels:
             self._amp_c.multi_tensor_l2norm, _zero_flag(group[0].device), [group], False
         )
         return result[0].reshape(())
-
-    def _l2norm_scale(self, group: list[Tensor], scale: float, found_inf: Tensor) -> Tensor:
-        flag = _zero_flag(group[0].device)
-        result: tuple[Tensor, Any] = self._applier(
-            self._amp_c.multi_tensor_l2norm_scale, flag, [group, group], scale, False
-        )
-        _fold_flag(flag, found_inf)
-        # The kernel measures its inputs, the still-scaled values; scaling the norm unscales it.
-        return result[0].reshape(()) * abs(scale)
 
 
 def _host_value(scalar: Tensor) -> float | None:

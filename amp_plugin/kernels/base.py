@@ -1,6 +1,6 @@
 """The contract every kernel backend fulfils.
 
-The scaler and the clipping code need only four multi-tensor operations. A backend
+The scaler and the clipping code need only three multi-tensor operations. A backend
 implements them for lists of dense gradient tensors that may mix devices and dtypes
 and may contain zero-numel tensors; the backend groups and filters as its launchers
 require. None of the operations synchronises the host with the device.
@@ -26,10 +26,6 @@ Semantics (identical for every backend; the torch backend is the oracle in tests
 ``mul_(tensors, factor)``
     Multiply every tensor in place by ``factor`` (an fp32 scalar tensor on any device),
     in fp32 math, rounded once to the tensor's dtype.
-
-``unscale_norm_(tensors, inv_scale, found_inf, norm_type)``
-    ``unscale_`` followed by ``norm`` of the unscaled values. A backend may fuse the
-    two into one pass over the data; results then agree to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -55,10 +51,6 @@ class Kernels(Protocol):
     def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor: ...
 
     def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None: ...
-
-    def unscale_norm_(
-        self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float = 2.0
-    ) -> Tensor: ...
 
 
 def group_by_device_and_dtype(

@@ -52,12 +52,6 @@ class TorchKernels:
             for (device, _), group in group_by_device_and_dtype(tensors).items():
                 torch._foreach_mul_(group, _to(factor, device))
 
-    def unscale_norm_(
-        self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor, norm_type: float = 2.0
-    ) -> Tensor:
-        self.unscale_(tensors, inv_scale, found_inf)
-        return self.norm(tensors, norm_type)
-
 
 def _to(tensor: Tensor, device: torch.device) -> Tensor:
     """Copy across devices without a host sync where that is safe.

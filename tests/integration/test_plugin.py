@@ -457,3 +457,8 @@ def test_plain_data_parallel_under_bf16_warns() -> None:
 def test_bad_arguments_raise_clearly(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         AMPPrecision(**kwargs)
+
+
+def test_a_bare_fp32_module_class_gets_our_message() -> None:
+    with pytest.raises(TypeError, match=r"classes=<class .*LayerNorm'>; allowed: a tuple .*HINT"):
+        AMPPrecision("bf16-mixed", fp32_modules=nn.LayerNorm)  # type: ignore[arg-type]

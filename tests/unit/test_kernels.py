@@ -155,11 +155,8 @@ def test_nothing_to_do_is_fine(backend: Backend, tensors: list[Tensor]) -> None:
     backend.kernels.unscale_(tensors, backend.scalar(0.5), found_inf)
     backend.kernels.mul_(tensors, backend.scalar(0.5))
     assert found_inf.item() == 0.0
-    for norm in (
-        backend.kernels.norm(tensors),
-        backend.kernels.unscale_norm_(tensors, backend.scalar(0.5), found_inf),
-    ):
-        assert (norm.item(), norm.dtype, norm.shape) == (0.0, FP32, ())
+    norm = backend.kernels.norm(tensors)
+    assert (norm.item(), norm.dtype, norm.shape) == (0.0, FP32, ())
 
 
 def test_huge_finite_values_are_not_an_overflow(backend: Backend) -> None:
@@ -170,7 +167,8 @@ def test_huge_finite_values_are_not_an_overflow(backend: Backend) -> None:
     ]
     expected = clone(grads)
     found_inf = backend.zeros()
-    backend.kernels.unscale_norm_(grads, backend.scalar(1.0), found_inf)  # squares of 1e20 overflow fp32
+    backend.kernels.norm(grads)  # squares of 1e20 overflow fp32: amp_C's norm flag must not leak
+    backend.kernels.unscale_(grads, backend.scalar(1.0), found_inf)
     backend.kernels.unscale_(grads, backend.scalar(2.0**16), found_inf)  # 6e4 * 2**16 overflows fp16
     for factor in (1.0, 2.0**16):
         ORACLE.unscale_(expected, backend.scalar(factor), backend.zeros())
@@ -218,39 +216,6 @@ def test_mul_is_bit_identical_to_torch(backend: Backend, mix: str, factor: float
     assert_bit_identical(grads, expected)
 
 
-# --- unscale_norm_ -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
-@pytest.mark.parametrize(("where", "value"), [NONFINITE[0], NONFINITE[1], NONFINITE[6]])
-@pytest.mark.parametrize("mix", MIXES)
-def test_unscale_norm_is_unscale_then_norm(
-    backend: Backend, mix: str, where: str | None, value: float | None, norm_type: float
-) -> None:
-    grads = make_grads(MIXES[mix], backend.device, where, value)
-    expected, expected_inf = clone(grads), backend.zeros()
-    found_inf = backend.zeros()
-
-    norm = backend.kernels.unscale_norm_(grads, backend.scalar(2.0**-10), found_inf, norm_type)
-    ORACLE.unscale_(expected, backend.scalar(2.0**-10), expected_inf)
-
-    assert_bit_identical(grads, expected)
-    assert found_inf.item() == expected_inf.item()
-    assert (norm.dtype, norm.shape, norm.device) == (FP32, torch.Size([]), backend.device)
-    if where is None:
-        torch.testing.assert_close(norm.double().cpu(), fp64_norm(expected, norm_type), rtol=1e-6, atol=0)
-    else:
-        assert not torch.isfinite(norm)
-
-
-def test_unscale_norm_with_any_scale_is_within_fp16_rounding(backend: Backend) -> None:
-    """A fused fp16 norm measures the exact unscaled values, the unfused one the rounded ones."""
-    grads = make_grads(MIXES["fp16"], backend.device)
-    exact = fp64_norm(grads, 2.0) / 3
-    norm = backend.kernels.unscale_norm_(grads, backend.scalar(1 / 3), backend.zeros())
-    torch.testing.assert_close(norm.double().cpu(), exact, rtol=2.0**-11, atol=0)
-
-
 # --- host syncs ----------------------------------------------------------------------------------
 
 
@@ -278,7 +243,6 @@ def test_no_value_is_read_back_except_a_host_resident_scale(backend: Backend) ->
         backend.kernels.mul_(grads, scale)
         for norm_type in (2.0, 1.0):
             backend.kernels.norm(grads, norm_type)
-            backend.kernels.unscale_norm_(grads, scale, found_inf, norm_type)
     assert not [tensor for tensor in reads if tensor is not scale]
     if isinstance(backend.kernels, TorchKernels) or backend.scalar_device.type != "cpu":
         assert not reads
@@ -296,7 +260,6 @@ def test_no_device_sync_on_cuda(name: str) -> None:
         kernels.unscale_(grads, scale, found_inf)
         kernels.mul_(grads, scale)
         kernels.norm(grads)
-        kernels.unscale_norm_(grads, scale, found_inf)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert found_inf.item() == 1.0
@@ -311,10 +274,6 @@ def test_apex_launches_once_per_device_and_dtype(fake: FakeApex) -> None:
     kernels.unscale_(grads, torch.tensor(0.5), torch.zeros(()))
     kernels.norm(grads)
     assert fake.calls == ["multi_tensor_scale"] * 3 + ["multi_tensor_l2norm"] * 3
-    fake.calls.clear()
-    kernels.unscale_norm_(grads, torch.tensor(0.5), torch.zeros(()))
-    # fused for fp16 only: amp_C has no bf16 version, and its fp32 flag fires on finite overflowing squares
-    assert fake.calls == ["multi_tensor_l2norm_scale"] + ["multi_tensor_scale", "multi_tensor_l2norm"] * 2
 
 
 def test_apex_gives_torch_what_amp_c_cannot_run(fake: FakeApex) -> None:
@@ -337,9 +296,11 @@ def test_apex_sends_cpu_tensors_to_torch_outside_tests() -> None:
     with fake_apex(cpu=False) as installed:
         grads = make_grads(MIXES["mixed"])
         expected = clone(grads)
-        norm = ApexKernels().unscale_norm_(grads, torch.tensor(0.25), torch.zeros(()))
+        ApexKernels().unscale_(grads, torch.tensor(0.25), torch.zeros(()))
+        norm = ApexKernels().norm(grads)
         assert installed.calls == []
-    assert norm.item() == ORACLE.unscale_norm_(expected, torch.tensor(0.25), torch.zeros(())).item()
+    ORACLE.unscale_(expected, torch.tensor(0.25), torch.zeros(()))
+    assert norm.item() == ORACLE.norm(expected).item()
     assert_bit_identical(grads, expected)
 
 
@@ -350,8 +311,10 @@ def test_apex_with_a_device_scale_only_uses_amp_c_for_the_norm(
     monkeypatch.setattr(apex_module, "_host_value", lambda scalar: None)  # what a CUDA scale looks like
     grads = make_grads(MIXES["mixed"])
     expected, found_inf, expected_inf = clone(grads), torch.zeros(()), torch.zeros(())
-    norm = ApexKernels().unscale_norm_(grads, torch.tensor(1 / 3), found_inf)
-    expected_norm = ORACLE.unscale_norm_(expected, torch.tensor(1 / 3), expected_inf)
+    ApexKernels().unscale_(grads, torch.tensor(1 / 3), found_inf)
+    norm = ApexKernels().norm(grads)
+    ORACLE.unscale_(expected, torch.tensor(1 / 3), expected_inf)
+    expected_norm = ORACLE.norm(expected)
     ApexKernels().mul_(grads, torch.tensor(0.1))
     ORACLE.mul_(expected, torch.tensor(0.1))
     assert fake.calls == ["multi_tensor_l2norm"] * 3
