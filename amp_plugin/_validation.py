@@ -1,0 +1,158 @@
+"""One way to reject bad input: say what was passed, what is allowed, and ``HINT:`` the fix.
+
+Every public entry point checks all of its arguments with these helpers *before* it changes
+any state, so a rejected call leaves nothing half-applied. Invariants that a caller can
+break raise here too, never through ``assert``.
+
+Example:
+    >>> check_bool("LossScaler", "enabled", "False")
+    Traceback (most recent call last):
+    ...
+    TypeError: LossScaler(enabled='False') is not allowed: a bool (True or False). HINT: ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+import torch
+
+__all__ = [
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_tensor_scalar",
+    "fail",
+    "is_number",
+]
+
+
+def fail(call: str, got: str, allowed: str, hint: str, error: type[Exception] = ValueError) -> NoReturn:
+    """Raise ``error`` with the project's message: ``{call}({got}) is not allowed: {allowed}. HINT: {hint}``.
+
+    ``got`` is the argument as passed (``"name=value"``); ``call`` names the entry point.
+
+    Example:
+        >>> fail("LossScaler", "growth_factor=1.0", "a finite number > 1", "use 2.0.")
+        Traceback (most recent call last):
+        ...
+        ValueError: LossScaler(growth_factor=1.0) is not allowed: a finite number > 1. HINT: use 2.0.
+    """
+    raise error(f"{call}({got}) is not allowed: {allowed}. HINT: {hint}")
+
+
+def is_number(value: object) -> bool:
+    """A finite real number: an ``int`` or ``float`` (bools and NaN/inf excluded).
+
+    Example:
+        >>> is_number(2.0), is_number(True), is_number(float("nan")), is_number("1")
+        (True, False, False, False)
+    """
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_bool(call: str, name: str, value: object) -> bool:
+    """``value`` if it is a real ``bool``; a string such as ``"False"`` is refused (it is truthy).
+
+    Example:
+        >>> check_bool("AMPPrecision", "clip_fused", True)
+        True
+    """
+    if not isinstance(value, bool):
+        fail(
+            call, f"{name}={value!r}", "a bool (True or False)",
+            f"pass {name}=True or {name}=False, not the {type(value).__name__} {value!r} "
+            "(any non-empty string is truthy).",
+            TypeError,
+        )  # fmt: skip
+    return value
+
+
+def check_number(
+    call: str,
+    name: str,
+    value: object,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    hint: str = "",
+) -> float:
+    """``float(value)`` for a finite number within the bounds, else a clear error.
+
+    ``low``/``high`` are inclusive unless ``low_open``/``high_open``. A non-number raises
+    ``TypeError``; NaN, inf or a number out of bounds raises ``ValueError``.
+
+    Example:
+        >>> check_number("clip_grad_norm_", "max_norm", 1, low=0.0)
+        1.0
+    """
+    lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+    hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
+    allowed = ("a finite number " + " and ".join(b for b in (lo, hi) if b)).strip()
+    hint = hint or f"pass a plain Python float for {name}."
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        fail(call, f"{name}={value!r}", allowed, hint, TypeError)
+    number = float(value)
+    out_of_range = (
+        not math.isfinite(number)
+        or (low is not None and (number <= low if low_open else number < low))
+        or (high is not None and (number >= high if high_open else number > high))
+    )
+    if out_of_range:
+        fail(call, f"{name}={value!r}", allowed, hint)
+    return number
+
+
+def check_int(call: str, name: str, value: object, *, low: int | None = None, hint: str = "") -> int:
+    """``value`` for an ``int`` (not a bool) ``>= low``, else a clear error.
+
+    Example:
+        >>> check_int("LossScaler", "growth_interval", 2000, low=1)
+        2000
+    """
+    allowed = "an int" + ("" if low is None else f" >= {low}")
+    hint = hint or f"pass a plain Python int for {name}."
+    if not isinstance(value, int) or isinstance(value, bool):
+        fail(call, f"{name}={value!r}", allowed, hint, TypeError)
+    if low is not None and value < low:
+        fail(call, f"{name}={value!r}", allowed, hint)
+    return value
+
+
+def check_choice(call: str, name: str, value: object, choices: Iterable[object], hint: str = "") -> Any:
+    """``value`` if it is one of ``choices`` (compared by type and value: ``1`` is not ``True``).
+
+    Example:
+        >>> check_choice("AMPPrecision", "clip_fused", "auto", ("auto", True, False))
+        'auto'
+    """
+    options = tuple(choices)
+    if not any(type(value) is type(c) and value == c for c in options):
+        allowed = "one of " + ", ".join(map(repr, options))
+        fail(call, f"{name}={value!r}", allowed, hint or f"pass {name}={options[0]!r}.")
+    return value
+
+
+def check_tensor_scalar(call: str, name: str, value: object, hint: str = "") -> torch.Tensor:
+    """``value`` if it is a one-element floating-point tensor that does not require grad.
+
+    Example:
+        >>> check_tensor_scalar("update", "new_scale", torch.tensor(2.0))
+        tensor(2.)
+    """
+    ok = (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value.is_floating_point()
+        and not value.requires_grad
+    )
+    if not ok:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        got = f"{name}={type(value).__name__}" + ("" if shape is None else f" of shape {shape}")
+        fail(call, got, "a one-element floating-point tensor without requires_grad", hint or "pass a float.")
+    return value  # type: ignore[return-value]
