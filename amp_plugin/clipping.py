@@ -31,7 +31,7 @@ class ClipResult(NamedTuple):
 
     Attributes:
         total_norm: the total norm of the unscaled gradients before clipping (fp32, 0-dim).
-        found_inf: ``1.0`` where the norm is non-finite, else ``0.0`` (fp32, 0-dim).
+        found_inf: ``1.0`` where the unscaled norm is non-finite, else ``0.0`` (fp32, 0-dim).
         grad_scale: the factor the gradients in memory still carry after the clip, or
             ``None`` when they now hold the unscaled, clipped values.
     """
@@ -103,8 +103,9 @@ def clip_grad_norm_(
     # Gradients already unscaled take torch's own recipe, so that the result is bit-identical to
     # unscale_ + torch.nn.utils.clip_grad_norm_; scaled ones take the backend's fastest norm.
     norm_in_memory = kernels.norm(grads, norm_type, exact=grad_scale is None)
-    found_inf = (~torch.isfinite(norm_in_memory)).float()
     total_norm = norm_in_memory if grad_scale is None else norm_in_memory / grad_scale.to(norm_in_memory)
+    # Non-finite when a gradient is inf/NaN, and also when unscaling by a scale below 1 overflows.
+    found_inf = (~torch.isfinite(total_norm)).float()
     if error_if_nonfinite and not bool(torch.isfinite(total_norm)):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the unscaled gradients is non-finite, so it cannot "

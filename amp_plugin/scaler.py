@@ -4,34 +4,44 @@ Policy lives here; the arithmetic goes to :mod:`amp_plugin.kernels`. Per optimiz
 scaler runs torch's state machine (READY -> UNSCALED -> STEPPED, reset by ``update()``)
 and tracks the factor the gradients in memory still carry, so that clipping never acts
 on scaled values and can be folded into a fused optimizer's step.
+
+What is checked for inf/NaN, and when: ``unscale_`` (or ``step`` without it) checks the
+gradients as they arrive; ``clip_grad_norm_`` checks its norm, so a change made after
+``unscale_`` and before the clip is caught; ``recheck_`` reads the gradients once more
+for changes made after that. ``step`` after an explicit ``unscale_`` does not read the
+gradients again (as in torch), so call ``recheck_`` when code between the two may have
+written inf/NaN into them.
 """
 
 from __future__ import annotations
 
 import enum
-import math
+import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
 
-from amp_plugin import clipping, distributed
+from amp_plugin import _imports, _scaler_rules, clipping, distributed
+from amp_plugin._validation import check_bool, check_int, check_number, fail
 from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
+from amp_plugin.optim import gradients_to_unscale, handles_unscaling, unwrap_optimizer
 
-__all__ = ["LossScaler", "unwrap_optimizer"]
+__all__ = ["LossScaler", "ScaleFloorWarning", "unwrap_optimizer"]
 
 T = TypeVar("T")
-_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_OWN_KEYS = (
-    "hysteresis",
-    "_hysteresis_tracker",
-    "min_scale",
-    "max_scale",
-    "dynamic",
-    "skipped_steps",
-    "total_steps",
-)
+_COLLAPSE_CHECK_EVERY = 100  # updates between the host reads that look for a scale stuck at its floor
+_GRAD_SCALER_KWARG_WARNING = (
+    "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the near "
+    "future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed optimizer and "
+    "let the optimizer use them directly."
+)  # torch's words, so that filters written for GradScaler match ours too
+
+
+class ScaleFloorWarning(RuntimeWarning):
+    """The loss scale backed off to its floor: gradients overflow whatever the scale."""
 
 
 class _Stage(enum.Enum):
@@ -48,34 +58,20 @@ class _OptimizerState:
     synced: bool = False  # found_inf already agreed across ranks (all-reduced, or from a global norm)
 
 
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The innermost optimizer behind wrappers that hold it in ``._optimizer`` / ``.optimizer``.
-
-    Lightning's ``LightningOptimizer`` is itself an ``Optimizer`` subclass, so the unwrap
-    follows the attributes rather than stopping at the first ``Optimizer``.
-    """
-    for _ in range(16):
-        inner = getattr(optimizer, "_optimizer", None)
-        if inner is None:
-            inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
-            break
-        optimizer = inner
-    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
-        raise TypeError(
-            f"Expected a torch.optim.Optimizer (or a wrapper holding one in .optimizer/._optimizer), got "
-            f"{type(optimizer).__qualname__}. HINT: pass the optimizer that owns the parameters."
-        )
-    return optimizer
-
-
 class LossScaler:
     """Dynamic loss scaling with hysteresis, scale bounds and static mode.
 
-    With ``hysteresis=1``, no bounds and ``dynamic=True`` it takes exactly the steps of
-    ``torch.amp.GradScaler`` with the same arguments, bit for bit.
+    Takes ``torch.amp.GradScaler``'s arguments in its order. With ``hysteresis=1``, no
+    bounds and ``dynamic=True`` it takes exactly GradScaler's steps, bit for bit, while
+    the scale stays a normal fp32 number. It never lets the scale go below ``min_scale``,
+    or below 2**-126 without one (where GradScaler's scale would go on to 0 and turn the
+    gradients into NaN); a scale stuck at that floor is reported once with a
+    :class:`ScaleFloorWarning`.
 
     Args:
+        device: the device type the scale lives on. ``None`` (the default): wherever the
+            first scaled loss is. ``"cuda"`` without CUDA disables the scaler with a
+            warning, as GradScaler does.
         init_scale: the first scale.
         growth_factor: multiplies the scale after ``growth_interval`` clean steps (> 1).
         backoff_factor: multiplies the scale when it backs off, in (0, 1).
@@ -87,15 +83,16 @@ class LossScaler:
         max_scale: the scale never grows above this.
         dynamic: ``False`` keeps the scale at ``init_scale`` (static loss scaling);
             overflowing steps are still skipped.
-        kernels: ``"auto"``, ``"torch"`` or ``"apex"``.
+        kernels: ``"auto"``, ``"torch"`` or ``"apex"`` (needs NVIDIA Apex ``amp_C``).
         sync_found_inf: all-reduce the inf flag across ranks before each skip decision:
             ``"auto"`` (when torch.distributed runs with several processes), True or False.
+        process_group: the ranks that must agree (``None``: the default group).
 
     Example:
         >>> import torch
         >>> model = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> scaler = LossScaler(init_scale=2.0**10)
+        >>> scaler = LossScaler("cpu", init_scale=2.0**10)
         >>> scaler.scale(model(torch.ones(1, 2)).sum()).backward()
         >>> _ = scaler.step(opt)
         >>> scaler.update()
@@ -105,6 +102,7 @@ class LossScaler:
 
     def __init__(
         self,
+        device: str | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -119,13 +117,22 @@ class LossScaler:
         sync_found_inf: distributed.SyncMode = "auto",
         process_group: Any = None,
     ) -> None:
-        _validate(
+        device_type = _check_device(device)
+        enabled = check_bool("LossScaler", "enabled", enabled)
+        dynamic = check_bool("LossScaler", "dynamic", dynamic)
+        _scaler_rules.check_config(
             init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
         )
-        self._kernels_name = check_backend(kernels)
+        self._kernels_name = _check_kernels(kernels)
         self._sync_mode = distributed.check_sync_mode(sync_found_inf)
-        self.process_group = process_group
-        self._enabled = bool(enabled)
+        self.process_group = _check_process_group(process_group)
+        if device_type == "cuda" and enabled and not torch.cuda.is_available():
+            warnings.warn(
+                "LossScaler('cuda') is enabled, but CUDA is not available. Disabling.", stacklevel=2
+            )
+            enabled = False
+        self._device = device_type
+        self._enabled = enabled
         self._init_scale = float(init_scale)
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
@@ -133,13 +140,49 @@ class LossScaler:
         self.hysteresis = int(hysteresis)
         self.min_scale = min_scale
         self.max_scale = max_scale
-        self.dynamic = bool(dynamic)
+        self.dynamic = dynamic
         self.total_steps = 0
         self._init_trackers = (0, self.hysteresis, 0)  # growth, hysteresis, skipped: used before lazy init
         self._scale: Tensor | None = None
-        self._growth_tracker = self._hysteresis_tracker = self._skipped = self._last_inf = torch.zeros(())
+        self._growth_tracker = self._hysteresis_tracker = self._skipped = torch.zeros(())
+        self._last_inf = self._floor_step = torch.zeros(())
         self._kernels: Kernels | None = None
         self._states: dict[int, _OptimizerState] = {}
+        self._retired: list[Tensor] = []  # inf flags of steps taken before an optimizer was re-armed
+        self._scaled = False  # scale() was called since the last update(): gradients carry the scale
+        self._floor_reported = False
+
+    @classmethod
+    def from_grad_scaler(cls, grad_scaler: Any, **options: Any) -> LossScaler:
+        """A ``LossScaler`` with a ``torch.amp.GradScaler``'s settings and state.
+
+        ``options`` are this class's keyword-only extras (``hysteresis``, ``min_scale``, ...).
+
+        Example:
+            >>> scaler = LossScaler.from_grad_scaler(torch.amp.GradScaler("cpu", init_scale=512.0))
+            >>> scaler.get_scale(), scaler.get_growth_interval()
+            (512.0, 2000)
+        """
+        if not isinstance(grad_scaler, torch.amp.GradScaler):
+            fail("LossScaler.from_grad_scaler", f"{type(grad_scaler).__qualname__}", "a torch.amp.GradScaler",
+                 "pass the GradScaler itself.", TypeError)  # fmt: skip
+        device = getattr(grad_scaler, "_device", None)
+        if not grad_scaler.is_enabled():
+            warnings.warn(
+                "The torch.amp.GradScaler is disabled, so its LossScaler is too: fp16 gradients will not be "
+                "scaled. HINT: pass a GradScaler for the device you train on (e.g. GradScaler('cpu')).",
+                stacklevel=2,
+            )
+            return cls(device if device != "cuda" else None, enabled=False, **options)
+        if getattr(grad_scaler, "_per_optimizer_states", None):
+            fail("LossScaler.from_grad_scaler", "a GradScaler in the middle of an iteration",
+                 "one between update() and the next scale()", "convert it after update().",
+                 RuntimeError)  # fmt: skip
+        state = grad_scaler.state_dict()
+        scaler = cls(device, state["scale"], state["growth_factor"], state["backoff_factor"],
+                     state["growth_interval"], **options)  # fmt: skip
+        scaler.load_state_dict(state)
+        return scaler
 
     # -- the GradScaler API --------------------------------------------------------------
 
@@ -161,17 +204,17 @@ class LossScaler:
         )
 
     def _scale_tensor(self, loss: Tensor) -> Tensor:
-        if self._scale is None:
-            self._lazy_init(loss.device)
-        assert self._scale is not None
+        scale = self._scale if self._scale is not None else self._lazy_init(loss.device)
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
-        return loss * self._scale.to(loss.device, non_blocking=True)
+        self._scaled = True
+        return loss * scale.to(loss.device, non_blocking=True)
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.
 
         Call at most once per optimizer between ``update()`` calls, before ``step()``.
+        Sparse gradients are unscaled through their values, as torch does.
         """
         if not self._enabled:
             return
@@ -188,10 +231,10 @@ class LossScaler:
                 "unscale_() was called after step() on this optimizer. HINT: unscale (or clip) "
                 "before step(); call update() to start the next iteration."
             )
-        assert self._scale is not None
-        inv_scale = self._scale.double().reciprocal().float()
-        state.found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        self._backend().unscale_(clipping.gradients(opt.param_groups), inv_scale, state.found_inf)
+        scale = self._require_scale("unscale_")
+        inv_scale = scale.double().reciprocal().float()
+        state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        self._backend().unscale_(gradients_to_unscale(opt), inv_scale, state.found_inf)
         state.stage, state.grad_scale = _Stage.UNSCALED, None
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -199,7 +242,10 @@ class LossScaler:
 
         Optimizers with ``_step_supports_amp_scaling`` (torch's fused Adam/AdamW/SGD) get
         ``grad_scale``/``found_inf`` attributes and skip inside their kernel; their step
-        counters do not advance on a skip. Returns ``None`` for a skipped non-fused step.
+        counters do not advance on a skip. A ``grad_scale`` set on the optimizer beforehand
+        is multiplied in (kept as it is after an explicit ``unscale_``), as torch does. An
+        optimizer whose ``step()`` takes ``grad_scaler=`` gets this scaler instead (with
+        torch's ``FutureWarning``). Returns ``None`` for a skipped non-fused step.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -215,35 +261,37 @@ class LossScaler:
                 "step() has already been called on this optimizer since the last update(). "
                 "HINT: call update() once per iteration, after the step() of every optimizer."
             )
-        if getattr(opt, "_step_supports_amp_scaling", False):
+        if handles_unscaling(opt):
             return self._fused_step(opt, optimizer, state, *args, **kwargs)
         if state.stage is _Stage.READY:
             self.unscale_(opt)
-        assert state.found_inf is not None
+        found_inf = cast(Tensor, state.found_inf)
         self._sync(state)
-        result = None if state.found_inf.item() else optimizer.step(*args, **kwargs)
+        result = None if found_inf.item() else optimizer.step(*args, **kwargs)
         state.stage = _Stage.STEPPED
         return result
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Update the scale once per iteration, after the ``step()`` of every optimizer.
 
-        Does not synchronise the host: the scale and all trackers stay on the device.
+        Does not synchronise the host, except once every 100 updates to look for a scale
+        stuck at its floor. ``new_scale`` sets the scale by hand instead; it must be a
+        finite number within ``[min_scale, max_scale]`` (read once on the host).
         """
         if not self._enabled:
             return
-        if self._scale is None:
-            raise RuntimeError("update() was called before scale(). HINT: " + _ORDER)
+        scale = self._require_scale("update")
         if new_scale is not None:
-            if isinstance(new_scale, Tensor):
-                self._scale.copy_(new_scale)
+            value = _scaler_rules.check_manual_scale(new_scale, scale.device, self.min_scale, self.max_scale)
+            if isinstance(value, Tensor):
+                scale.copy_(value)
             else:
-                self._scale.fill_(float(new_scale))
-            self._states.clear()
+                scale.fill_(value)
+            self._end_iteration()
             return
         for state in self._states.values():  # unscaled or clipped, never stepped: agree on it here
             self._sync(state)
-        found = [s.found_inf for s in self._states.values() if s.found_inf is not None]
+        found = [s.found_inf for s in self._states.values() if s.found_inf is not None] + self._retired
         if not found:
             raise RuntimeError(
                 "update() was called but no optimizer's gradients were checked for inf/NaN since the "
@@ -253,11 +301,64 @@ class LossScaler:
         for other in found[1:]:
             found_inf += other.to(found_inf.device)
         if self.dynamic:
-            self._update_scale(found_inf)
+            self._update_scale(scale, found_inf)
         self._last_inf.copy_(found_inf > 0)
         self._skipped += self._last_inf
         self.total_steps += 1
-        self._states.clear()
+        self._end_iteration()
+        if self.total_steps % _COLLAPSE_CHECK_EVERY == 0:
+            self._report_floor()
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled); synchronises the host."""
+        if not self._enabled:
+            return 1.0
+        if self._scale is None:
+            return self._init_scale
+        self._report_floor()
+        return float(self._scale.item())
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is enabled."""
+        return self._enabled
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean steps."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (a finite number > 1), effective from the next ``update()``."""
+        self._growth_factor = check_number("LossScaler.set_growth_factor", "new_factor", new_factor,
+                                           low=1.0, low_open=True, hint="2.0 doubles the scale.")  # fmt: skip
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale backs off by on overflow."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)), effective from the next ``update()``."""
+        self._backoff_factor = check_number(
+            "LossScaler.set_backoff_factor", "new_factor", new_factor,
+            low=0.0, high=1.0, low_open=True, high_open=True, hint="0.5 halves the scale on overflow.",
+        )  # fmt: skip
+
+    def get_growth_interval(self) -> int:
+        """Clean steps in a row before the scale grows."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int >= 1), effective from the next ``update()``."""
+        call = "LossScaler.set_growth_interval"
+        self._growth_interval = check_int(
+            call, "new_interval", new_interval, low=1, hint="2000 is torch's default."
+        )
+
+    # torch-style read-only properties, kept for code written against earlier releases
+    growth_factor = property(get_growth_factor)
+    backoff_factor = property(get_backoff_factor)
+    growth_interval = property(get_growth_interval)
+
+    # -- what happened this iteration ------------------------------------------------------
 
     def stage(self, optimizer: Any) -> Literal["ready", "unscaled", "stepped"]:
         """Where ``optimizer`` stands in this iteration: gradients still scaled, unscaled, or stepped."""
@@ -265,27 +366,35 @@ class LossScaler:
         stage = _Stage.READY if state is None else state.stage
         return cast(Literal["ready", "unscaled", "stepped"], stage.name.lower())
 
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled); synchronises the host."""
+    def found_inf(self, optimizer: Any) -> Tensor | None:
+        """The inf flag of ``optimizer`` in this iteration (0-dim fp32; > 0: its step is skipped).
+
+        ``None`` until its gradients were checked (by ``unscale_``, a clip or ``step``).
+        """
+        state = self._states.get(id(unwrap_optimizer(optimizer)))
+        return None if state is None else state.found_inf
+
+    def recheck_(self, optimizer: Any) -> None:
+        """Mark the step as overflowing if an unscaled gradient of ``optimizer`` is now inf/NaN.
+
+        For changes made after ``unscale_`` or a clip (hooks, penalties): one read of the
+        gradients. Before ``unscale_`` there is nothing to do (``step`` checks the gradients
+        then). The flag is agreed across ranks again before the step.
+        """
         if not self._enabled:
-            return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
-
-    def is_enabled(self) -> bool:
-        """Whether scaling is enabled."""
-        return self._enabled
-
-    @property
-    def growth_factor(self) -> float:
-        return self._growth_factor
-
-    @property
-    def backoff_factor(self) -> float:
-        return self._backoff_factor
-
-    @property
-    def growth_interval(self) -> int:
-        return self._growth_interval
+            return
+        opt = unwrap_optimizer(optimizer)
+        state = self._states.get(id(opt))
+        if state is None or state.stage is _Stage.READY:
+            return
+        if state.stage is _Stage.STEPPED or state.found_inf is None:
+            raise RuntimeError(
+                "recheck_() was called after step() on this optimizer. HINT: recheck before step()."
+            )
+        norm = self._backend().norm(gradients_to_unscale(opt))  # non-finite exactly when a gradient is
+        nonfinite = (~torch.isfinite(norm)).float().to(state.found_inf.device)
+        torch.maximum(state.found_inf, nonfinite, out=state.found_inf)
+        state.synced = False
 
     @property
     def skipped_steps(self) -> int:
@@ -313,52 +422,70 @@ class LossScaler:
         Before ``unscale_`` the norm and the inf check come from one read of the scaled
         gradients, then one multiply applies ``clip_coef / scale`` (for a fused optimizer
         the factor goes into its ``grad_scale`` instead). Equal to ``unscale_`` followed by
-        ``torch.nn.utils.clip_grad_norm_`` up to fp32 rounding. With ``sharded=True`` the
+        ``torch.nn.utils.clip_grad_norm_`` up to fp32 rounding. A non-finite norm marks the
+        step as overflowing, also after an explicit ``unscale_``. With ``sharded=True`` the
         optimizer holds only this rank's shard of the gradients, and the norm is that of
         all shards across ``process_group`` (one extra collective of one element).
         """
+        call = "LossScaler.clip_grad_norm_"
+        max_norm = check_number(call, "max_norm", max_norm, low=0.0, hint="e.g. max_norm=1.0.")
+        norm_type = _scaler_rules.check_norm_type(call, norm_type)
+        error_if_nonfinite = check_bool(call, "error_if_nonfinite", error_if_nonfinite)
+        sharded = check_bool(call, "sharded", sharded)
         opt = unwrap_optimizer(optimizer)
         grads = clipping.gradients(opt.param_groups)
         kernels = distributed.GlobalNormKernels(self._backend(), self.process_group) if sharded else None
         if not self._enabled:
             return clipping.clip_grad_norm_(kernels or self._backend(), grads, max_norm, norm_type).total_norm
-        state = self._clippable_state(opt, "clip_grad_norm_")
-        carried = self._scale if state.stage is _Stage.READY else state.grad_scale
+        state = self._clippable_state(opt, call)
+        ready = state.stage is _Stage.READY
+        carried = self._carried_factor(opt) if ready else state.grad_scale
         # Fold only while the gradients still carry a factor: once unscaled in memory, the
         # in-place multiply is torch's own recipe, bit for bit.
-        fold = carried is not None and bool(getattr(opt, "_step_supports_amp_scaling", False))
+        fold = carried is not None and handles_unscaling(opt)
         result = clipping.clip_grad_norm_(
             kernels or self._backend(), grads, max_norm, norm_type,
             grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
         )  # fmt: skip
-        if state.stage is _Stage.READY:
+        if ready or state.found_inf is None:
             state.found_inf, state.synced = result.found_inf, sharded  # a global norm is agreed already
+        else:
+            torch.maximum(state.found_inf, result.found_inf.to(state.found_inf), out=state.found_inf)
+            state.synced = state.synced and sharded
         state.stage, state.grad_scale = _Stage.UNSCALED, result.grad_scale
         return result.total_norm
 
     def grad_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
         """The total norm of the optimizer's unscaled gradients, leaving them as they are (one read)."""
+        norm_type = _scaler_rules.check_norm_type("LossScaler.grad_norm", norm_type)
         opt = unwrap_optimizer(optimizer)
         norm = self._backend().norm(clipping.gradients(opt.param_groups), norm_type)
         state = self._states.get(id(opt))
-        carried = self._scale if state is None or state.stage is _Stage.READY else state.grad_scale
-        return norm if carried is None or not self._enabled else norm / carried.to(norm)
+        if not self._enabled or self._scale is None:
+            return norm
+        carried = (
+            self._carried_factor(opt) if state is None or state.stage is _Stage.READY else state.grad_scale
+        )
+        return norm if carried is None else norm / carried.to(norm)
 
     def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
         """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
+        clip_value = check_number("LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0,
+                                  hint="e.g. clip_value=0.5.")  # fmt: skip
         opt = unwrap_optimizer(optimizer)
+        grads = clipping.gradients(opt.param_groups)
         if self._enabled:
-            state = self._clippable_state(opt, "clip_grad_value_")
+            state = self._clippable_state(opt, "LossScaler.clip_grad_value_")
             if state.stage is _Stage.READY:
                 self.unscale_(opt)
             elif state.grad_scale is not None:  # a folded norm clip: materialise it first
-                self._backend().mul_(clipping.gradients(opt.param_groups), state.grad_scale.reciprocal())
+                self._backend().mul_(grads, state.grad_scale.reciprocal())
                 state.grad_scale = None
         torch.nn.utils.clip_grad_value_(
             [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip_value
         )
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints and pickling ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state: torch's five keys plus this scaler's own. Empty when disabled."""
@@ -376,50 +503,70 @@ class LossScaler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
 
-        The whole dict is validated before anything changes.
+        The whole dict is validated before anything changes. Refused in the middle of an
+        iteration (after ``scale()``, before ``update()``): the gradients in flight carry
+        the old scale.
         """
         if not self._enabled:
             return
-        sd = _validated_state(state_dict)
-        _validate(sd["scale"], sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"],
-                  sd.get("hysteresis", self.hysteresis), sd.get("min_scale", self.min_scale),
-                  sd.get("max_scale", self.max_scale))  # fmt: skip
+        self._require_between_iterations(
+            "load_state_dict", "load the state before scale() or after update()."
+        )
+        sd = _scaler_rules.checked_state(state_dict, self.hysteresis, self.min_scale, self.max_scale)
         self._init_scale = float(sd["scale"])
         self._growth_factor, self._backoff_factor = float(sd["growth_factor"]), float(sd["backoff_factor"])
         self._growth_interval = int(sd["growth_interval"])
-        self.hysteresis = int(sd.get("hysteresis", self.hysteresis))
-        self.min_scale, self.max_scale = (
-            sd.get("min_scale", self.min_scale),
-            sd.get("max_scale", self.max_scale),
+        self.hysteresis, self.min_scale, self.max_scale = (
+            int(sd["hysteresis"]),
+            sd["min_scale"],
+            sd["max_scale"],
         )
         self.dynamic = bool(sd.get("dynamic", self.dynamic))
         self.total_steps = int(sd.get("total_steps", 0))
         self._init_trackers = (
-            int(sd["_growth_tracker"]),
-            int(sd.get("_hysteresis_tracker", self.hysteresis)),
+            int(sd["_growth_tracker"]), int(sd.get("_hysteresis_tracker", self.hysteresis)),
             int(sd.get("skipped_steps", 0)),
-        )
+        )  # fmt: skip
+        self._floor_reported = False
         if self._scale is not None:
             self._lazy_init(self._scale.device)
 
+    def __getstate__(self) -> dict[str, Any]:
+        if self._enabled:
+            self._require_between_iterations("pickling", "pickle (or deepcopy) the scaler after update().")
+        state = self.__dict__.copy()
+        if self._scale is not None:  # device tensors travel as numbers and are rebuilt lazily
+            state["_init_scale"], state["_init_trackers"] = self.get_scale(), self._trackers()
+            state["_scale"] = None
+        for name in _DEVICE_TRACKERS:  # plain numbers only: spawn would share tensors through fds
+            state[name] = None
+        state["_kernels"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        placeholder = torch.zeros(())
+        for name in _DEVICE_TRACKERS:
+            setattr(self, name, placeholder)
+
     # -- internals ---------------------------------------------------------------------------
 
-    def _lazy_init(self, device: torch.device) -> None:
+    def _lazy_init(self, device: torch.device) -> Tensor:
         growth, hyst, skipped = self._init_trackers
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
         self._growth_tracker = torch.full((), growth, dtype=torch.int32, device=device)
         self._hysteresis_tracker = torch.full((), hyst, dtype=torch.int32, device=device)
         self._skipped = torch.full((), skipped, dtype=torch.int64, device=device)
         self._last_inf = torch.zeros((), dtype=torch.bool, device=device)
+        self._floor_step = torch.full((), -1, dtype=torch.int64, device=device)
+        return self._scale
 
     def _trackers(self) -> tuple[int, int, int]:
         if self._scale is None:
             return self._init_trackers
-        return (
-            int(self._growth_tracker.item()),
-            int(self._hysteresis_tracker.item()),
-            int(self._skipped.item()),
-        )
+        values = torch.stack([self._growth_tracker.long(), self._hysteresis_tracker.long(), self._skipped])
+        growth, hyst, skipped = values.tolist()
+        return growth, hyst, skipped
 
     def _backend(self) -> Kernels:
         if self._kernels is None:
@@ -428,9 +575,20 @@ class LossScaler:
             )
         return self._kernels
 
-    def _state(self, opt: Any, call: str) -> _OptimizerState:
+    def _require_scale(self, call: str) -> Tensor:
         if self._scale is None:
             raise RuntimeError(f"{call}() was called before scale(). HINT: " + _ORDER)
+        return self._scale
+
+    def _require_between_iterations(self, what: str, hint: str) -> None:
+        if self._scaled or self._states or self._retired:
+            raise RuntimeError(
+                f"LossScaler {what} is refused in the middle of an iteration (scale() or unscale_/step "
+                f"happened since the last update()): the gradients in flight carry this scale. HINT: {hint}"
+            )
+
+    def _state(self, opt: Any, call: str) -> _OptimizerState:
+        self._require_scale(call)
         return self._states.setdefault(id(opt), _OptimizerState())
 
     def _clippable_state(self, opt: Any, call: str) -> _OptimizerState:
@@ -441,6 +599,12 @@ class LossScaler:
             )
         return state
 
+    def _carried_factor(self, opt: Any) -> Tensor:
+        """What still-scaled gradients carry: the scale, times a fused optimizer's preset ``grad_scale``."""
+        scale = self._require_scale("clip")
+        preset = getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
+        return scale if preset is None else scale * preset
+
     def _sync(self, state: _OptimizerState) -> None:
         if state.synced or state.found_inf is None:
             return
@@ -449,16 +613,23 @@ class LossScaler:
         state.synced = True
 
     def _fused_step(self, opt: Any, optimizer: Any, state: _OptimizerState, *args: Any, **kwargs: Any) -> Any:
-        assert self._scale is not None
+        if "grad_scaler" in inspect.signature(opt.step).parameters:
+            warnings.warn(_GRAD_SCALER_KWARG_WARNING, FutureWarning, stacklevel=3)
+            try:  # the optimizer asks this scaler for what it needs (unscale_, get_scale, ...)
+                return optimizer.step(*args, **kwargs, grad_scaler=self)
+            finally:
+                state.stage = _Stage.STEPPED
         if state.stage is _Stage.READY:
-            state.found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+            scale = self._require_scale("step")
+            state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
             self._backend().unscale_(
-                clipping.gradients(opt.param_groups), torch.ones_like(self._scale), state.found_inf
+                clipping.gradients(opt.param_groups), torch.ones_like(scale), state.found_inf
             )
-            grad_scale: Tensor | None = self._scale * getattr(opt, "grad_scale", 1)
-        else:
-            grad_scale = state.grad_scale
-        assert state.found_inf is not None
+            grad_scale: Tensor | None = self._carried_factor(opt)
+        else:  # unscaled: a folded clip factor, or the user's own preset (kept, as torch keeps it)
+            grad_scale = (
+                state.grad_scale if state.grad_scale is not None else getattr(opt, "grad_scale", None)
+            )
         self._sync(state)
         opt.grad_scale, opt.found_inf = grad_scale, state.found_inf
         try:
@@ -467,9 +638,8 @@ class LossScaler:
             del opt.grad_scale, opt.found_inf
             state.stage = _Stage.STEPPED
 
-    def _update_scale(self, found_inf: Tensor) -> None:
-        scale, growth = self._scale, self._growth_tracker
-        assert scale is not None
+    def _update_scale(self, scale: Tensor, found_inf: Tensor) -> None:
+        growth = self._growth_tracker
         args = (self._growth_factor, self._backoff_factor, self._growth_interval)
         if self.hysteresis == 1:
             torch._amp_update_scale_(scale, growth, found_inf, *args)
@@ -484,80 +654,85 @@ class LossScaler:
             held = overflow & ~backoff  # absorbed by hysteresis: skip, keep the scale, restart growth
             scale.copy_(torch.where(held, before, scale))
             growth.masked_fill_(held, 0)
-        if self.min_scale is not None or self.max_scale is not None:
-            scale.clamp_(self.min_scale, self.max_scale)
+        # The floor changes nothing while the scale is a normal fp32 number above min_scale.
+        floor = _scaler_rules.SCALE_FLOOR if self.min_scale is None else self.min_scale
+        first_time = (scale < floor) & (self._floor_step < 0)
+        self._floor_step.copy_(torch.where(first_time, self.total_steps, self._floor_step))
+        scale.clamp_(floor, self.max_scale)
+
+    def _report_floor(self) -> None:
+        if self._floor_reported or self._scale is None:
+            return
+        step = int(self._floor_step.item())
+        if step < 0:
+            return
+        self._floor_reported = True
+        floor = _scaler_rules.SCALE_FLOOR if self.min_scale is None else self.min_scale
+        warnings.warn(
+            f"LossScaler: the loss scale backed off to its floor {floor:g} at step {step} and the gradients "
+            "still overflowed: they are inf/NaN whatever the scale, so every such step is skipped (no weight "
+            "was changed by them). HINT: look for the first module that produces inf/NaN "
+            "(amp_plugin.diagnostics.NonFiniteTracer or LossScaleMonitor(trace_nonfinite=True)), lower the "
+            "learning rate, or train in bf16.",
+            ScaleFloorWarning,
+            stacklevel=3,
+        )
+
+    def _end_iteration(self) -> None:
+        self._states.clear()
+        self._retired.clear()
+        self._scaled = False
+
+    # -- used by AMPPrecision for Lightning's control flow -----------------------------------
+
+    def _rearm(self, optimizer: Any) -> None:
+        """Let ``optimizer`` be unscaled and stepped again before ``update()``; keep its inf flag for it."""
+        state = self._states.pop(id(unwrap_optimizer(optimizer)), None)
+        if state is not None and state.found_inf is not None:
+            self._sync(state)
+            self._retired.append(state.found_inf)
+
+    def _forget(self, optimizer: Any) -> None:
+        """Drop this iteration's state of ``optimizer``: its gradients will not be stepped."""
+        self._states.pop(id(unwrap_optimizer(optimizer)), None)
 
 
+_DEVICE_TRACKERS = ("_growth_tracker", "_hysteresis_tracker", "_skipped", "_last_inf", "_floor_step")
 _ORDER = "per iteration: scale(loss).backward(), optionally unscale_/clip, step(optimizer), update()."
 
 
-def _validate(
-    init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any,
-    hysteresis: Any, min_scale: Any, max_scale: Any,
-) -> None:  # fmt: skip
-    """Check every argument first, so that a bad one leaves nothing half-applied."""
-
-    def number(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-    def count(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-
-    low = min_scale if number(min_scale) else 0.0
-    high = max_scale if number(max_scale) else math.inf
-    rules = [
-        (number(init_scale) and init_scale > 0, f"init_scale={init_scale!r}", "a finite number > 0",
-         "2.0**16 is the usual start for fp16."),
-        (number(growth_factor) and growth_factor > 1, f"growth_factor={growth_factor!r}",
-         "a finite number > 1", "2.0 doubles the scale after growth_interval clean steps."),
-        (number(backoff_factor) and 0 < backoff_factor < 1, f"backoff_factor={backoff_factor!r}",
-         "a number in (0, 1)", "0.5 halves the scale on overflow."),
-        (count(growth_interval), f"growth_interval={growth_interval!r}", "an int >= 1",
-         "2000 is torch's default."),
-        (count(hysteresis), f"hysteresis={hysteresis!r}", "an int >= 1",
-         "1 backs off on every overflow (torch's behaviour); 2 tolerates one overflow in a row."),
-        (min_scale is None or (number(min_scale) and min_scale > 0), f"min_scale={min_scale!r}",
-         "None or a finite number > 0", "e.g. min_scale=1.0 keeps the scale from collapsing towards 0."),
-        (max_scale is None or (number(max_scale) and max_scale > 0), f"max_scale={max_scale!r}",
-         "None or a finite number > 0", "e.g. max_scale=2.0**24."),
-        (low <= high, f"min_scale={min_scale!r}, max_scale={max_scale!r}", "min_scale <= max_scale",
-         "swap the two bounds."),
-        (not number(init_scale) or low <= init_scale <= high, f"init_scale={init_scale!r}",
-         f"a scale within [{low}, {high}]", "pick init_scale between min_scale and max_scale."),
-    ]  # fmt: skip
-    for ok, what, allowed, hint in rules:
-        if not ok:
-            raise ValueError(f"LossScaler({what}) is not allowed: {allowed}. HINT: {hint}")
+def _check_device(device: object) -> str | None:
+    if device is None:
+        return None
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, str) and device:
+        try:
+            return torch.device(device).type
+        except RuntimeError:
+            pass
+    fail("LossScaler", f"device={device!r}", "None or a device type such as 'cuda' or 'cpu'",
+         "'gpu' is Lightning's accelerator name; torch's device type is 'cuda'.",
+         TypeError if not isinstance(device, str) else ValueError)  # fmt: skip
 
 
-def _validated_state(state_dict: Any) -> dict[str, Any]:
-    what = "LossScaler.load_state_dict"
-    if not isinstance(state_dict, dict) or not state_dict:
-        raise ValueError(
-            f"{what} got {type(state_dict).__qualname__} {state_dict!r:.80}; expected the non-empty dict "
-            "from LossScaler.state_dict() or torch.amp.GradScaler.state_dict(). HINT: an empty dict comes "
-            "from a disabled scaler (e.g. a bf16 run); do not load it into an fp16 scaler."
+def _check_kernels(kernels: object) -> Backend:
+    name = check_backend(kernels)
+    if name == "apex" and not _imports.apex_available():
+        allowed = f"'apex' only where NVIDIA Apex amp_C imports ({_imports.apex_error()})"
+        fail(
+            "LossScaler",
+            "kernels='apex'",
+            allowed,
+            f"pass kernels='auto', or: {_imports.APEX_HINT}",
+            RuntimeError,
         )
-    missing = [k for k in _TORCH_KEYS if k not in state_dict]
-    unknown = sorted(set(state_dict) - set(_TORCH_KEYS) - set(_OWN_KEYS))
-    if missing or unknown:
-        raise ValueError(
-            f"{what}: not a loss-scaler state (missing keys {missing}, unknown keys {unknown}); expected "
-            f"the keys {list(_TORCH_KEYS)} and optionally {list(_OWN_KEYS)}. HINT: pass the dict saved by "
-            "LossScaler.state_dict() or torch.amp.GradScaler.state_dict(), not another object's state."
-        )
-    for key in ("_growth_tracker", "_hysteresis_tracker", "skipped_steps", "total_steps"):
-        value = state_dict.get(key, 0)
-        if (
-            not isinstance(value, int)
-            or isinstance(value, bool)
-            or (value < 0 and key != "_hysteresis_tracker")
-        ):
-            raise ValueError(
-                f"{what}: {key}={value!r} must be a non-negative int. HINT: the state is corrupt."
-            )
-    if not isinstance(state_dict.get("dynamic", True), bool):
-        raise ValueError(
-            f"{what}: dynamic={state_dict['dynamic']!r} must be a bool. HINT: the state is corrupt."
-        )
-    return state_dict
+    return name
+
+
+def _check_process_group(group: object) -> Any:
+    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+        allowed = "None (the default group) or a torch.distributed.ProcessGroup"
+        hint = "pass the group object from torch.distributed.new_group(), not its name."
+        fail("LossScaler", f"process_group={group!r}", allowed, hint, TypeError)
+    return group

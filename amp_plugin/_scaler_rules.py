@@ -1,0 +1,137 @@
+"""What a valid ``LossScaler`` configuration, state dict and manual scale are.
+
+Every check runs before the scaler changes anything, so a rejected call leaves it as it
+was. Messages follow :mod:`amp_plugin._validation`: what was passed, what is allowed, a hint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_plugin._validation import check_number, check_tensor_scalar, fail, is_number
+
+__all__ = ["SCALE_FLOOR", "check_config", "check_manual_scale", "check_norm_type", "checked_state"]
+
+# The smallest normal positive fp32 (2**-126): the scale never goes below it. GradScaler's own
+# scale can shrink past it into subnormals and then to exactly 0, where 0 * (1 / 0) = NaN
+# gradients pass the inf check (it looks at the scaled values) and reach the weights.
+SCALE_FLOOR = torch.finfo(torch.float32).tiny
+
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+OWN_KEYS = (
+    "hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "dynamic", "skipped_steps", "total_steps",
+)  # fmt: skip
+_CALL = "LossScaler"
+
+
+def check_config(
+    init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any,
+    hysteresis: Any, min_scale: Any, max_scale: Any, call: str = _CALL,
+) -> None:  # fmt: skip
+    """Check the scaler's numeric settings together (the bounds and the start scale interact)."""
+
+    def count(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+    low = min_scale if is_number(min_scale) else SCALE_FLOOR
+    high = max_scale if is_number(max_scale) else math.inf
+    rules = [
+        (is_number(init_scale) and init_scale >= SCALE_FLOOR, f"init_scale={init_scale!r}",
+         f"a finite number >= {SCALE_FLOOR:g} (the smallest normal fp32)", "2.0**16 is usual for fp16."),
+        (is_number(growth_factor) and growth_factor > 1, f"growth_factor={growth_factor!r}",
+         "a finite number > 1", "2.0 doubles the scale after growth_interval clean steps."),
+        (is_number(backoff_factor) and 0 < backoff_factor < 1, f"backoff_factor={backoff_factor!r}",
+         "a number in (0, 1)", "0.5 halves the scale on overflow."),
+        (count(growth_interval), f"growth_interval={growth_interval!r}", "an int >= 1",
+         "2000 is torch's default."),
+        (count(hysteresis), f"hysteresis={hysteresis!r}", "an int >= 1",
+         "1 backs off on every overflow (torch's behaviour); 2 tolerates one overflow in a row."),
+        (min_scale is None or (is_number(min_scale) and min_scale >= SCALE_FLOOR), f"min_scale={min_scale!r}",
+         f"None or a finite number >= {SCALE_FLOOR:g}", "e.g. min_scale=1.0 keeps the scale off 0."),
+        (max_scale is None or (is_number(max_scale) and max_scale > 0), f"max_scale={max_scale!r}",
+         "None or a finite number > 0", "e.g. max_scale=2.0**24."),
+        (low <= high, f"min_scale={min_scale!r}, max_scale={max_scale!r}", "min_scale <= max_scale",
+         "swap the two bounds."),
+        (not is_number(init_scale) or low <= init_scale <= high, f"init_scale={init_scale!r}",
+         f"a scale within [{low:g}, {high:g}]", "pick init_scale between min_scale and max_scale."),
+    ]  # fmt: skip
+    for ok, got, allowed, hint in rules:
+        if not ok:
+            fail(call, got, allowed, hint)
+
+
+def check_norm_type(call: str, norm_type: object) -> float:
+    """A norm order ``> 0`` (``inf`` and the string ``"inf"`` included), as a float."""
+    value = float("inf") if norm_type in ("inf", "Inf") else norm_type
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        fail(call, f"norm_type={norm_type!r}", "a number > 0 or inf", "2.0 is the Euclidean norm.")
+    return float(value)
+
+
+def check_manual_scale(
+    new_scale: object, device: torch.device, min_scale: float | None, max_scale: float | None
+) -> float | Tensor:
+    """Validate ``update(new_scale=...)``: a finite scale within the scaler's bounds.
+
+    A tensor is read once on the host to check its value (a manual scale is rare).
+    """
+    call, hint = "LossScaler.update", "pass the new scale as a float, e.g. update(new_scale=2.0**10)."
+    if isinstance(new_scale, Tensor):
+        check_tensor_scalar(call, "new_scale", new_scale, hint)
+        if new_scale.device.type != device.type:
+            fail(call, f"new_scale on {new_scale.device}", f"a tensor on {device.type}", hint)
+        value = float(new_scale.item())
+    else:
+        value = check_number(call, "new_scale", new_scale, low=0.0, low_open=True, hint=hint)
+    low = SCALE_FLOOR if min_scale is None else min_scale
+    high = math.inf if max_scale is None else max_scale
+    if not (math.isfinite(value) and low <= value <= high):
+        fail(call, f"new_scale={value!r}", f"a finite scale within [{low:g}, {high:g}]", hint)
+    return new_scale if isinstance(new_scale, Tensor) else value
+
+
+def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: Any) -> dict[str, Any]:
+    """The state dict, with every key checked; raises ``ValueError`` naming the first bad entry."""
+    what = "LossScaler.load_state_dict"
+    if not isinstance(state_dict, dict) or not state_dict:
+        raise ValueError(
+            f"{what} got {type(state_dict).__qualname__} {state_dict!r:.80}; expected the non-empty dict "
+            "from LossScaler.state_dict() or torch.amp.GradScaler.state_dict(). HINT: an empty dict comes "
+            "from a disabled scaler (e.g. a bf16 run); do not load it into an fp16 scaler."
+        )
+    missing = [k for k in TORCH_KEYS if k not in state_dict]
+    unknown = sorted(map(str, set(state_dict) - set(TORCH_KEYS) - set(OWN_KEYS)))
+    if missing or unknown:
+        raise ValueError(
+            f"{what}: not a loss-scaler state (missing keys {missing}, unknown keys {unknown}); expected "
+            f"the keys {list(TORCH_KEYS)} and optionally {list(OWN_KEYS)}. HINT: pass the dict saved by "
+            "LossScaler.state_dict() or torch.amp.GradScaler.state_dict(), not another object's state."
+        )
+    sd = {"hysteresis": hysteresis, "min_scale": min_scale, "max_scale": max_scale, **state_dict}
+    check_config(sd["scale"], sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"],
+                 sd["hysteresis"], sd["min_scale"], sd["max_scale"], call=what)  # fmt: skip
+    counts = {key: sd.get(key, 0) for key in ("_growth_tracker", "skipped_steps", "total_steps")}
+    counts["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", sd["hysteresis"])
+    for key, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            _corrupt(what, f"{key}={value!r}", "an int")
+    limits = {
+        "total_steps": (0, 2**62),
+        "skipped_steps": (0, counts["total_steps"] if "total_steps" in sd else 2**62),
+        "_growth_tracker": (0, sd["growth_interval"] - 1),  # it resets to 0 when it reaches the interval
+        "_hysteresis_tracker": (-(2**31), sd["hysteresis"]),  # counts down from hysteresis on overflow
+    }
+    for key, (low, high) in limits.items():
+        if not low <= counts[key] <= high:
+            _corrupt(what, f"{key}={counts[key]!r}", f"an int in [{low}, {high}]")
+    if not isinstance(sd.get("dynamic", True), bool):
+        _corrupt(what, f"dynamic={sd['dynamic']!r}", "a bool")
+    return sd
+
+
+def _corrupt(what: str, got: str, allowed: str) -> None:
+    fail(what, got, allowed, "the state is corrupt; resume from another checkpoint or drop the scaler state.")

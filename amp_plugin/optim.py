@@ -1,0 +1,92 @@
+"""Optimizer helpers shared by the scaler, the plugin and the diagnostics.
+
+Wrappers such as Lightning's ``LightningOptimizer`` hold the real optimizer in
+``._optimizer`` or ``.optimizer``; per-optimizer state must be keyed on the real one, or
+unscaling the wrapper and then the inner optimizer would unscale twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["gradients_to_unscale", "handles_unscaling", "unwrap_optimizer"]
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The innermost optimizer behind wrappers that hold it in ``._optimizer`` / ``.optimizer``.
+
+    Lightning's ``LightningOptimizer`` is itself an ``Optimizer`` subclass, so the unwrap
+    follows the attributes rather than stopping at the first ``Optimizer``.
+
+    Raises:
+        TypeError: ``optimizer`` is not an optimizer (it has no ``param_groups`` and ``step``).
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+        >>> class Wrapper:
+        ...     def __init__(self, optimizer):
+        ...         self.optimizer = optimizer
+        >>> unwrap_optimizer(Wrapper(opt)) is opt
+        True
+    """
+    for _ in range(16):
+        inner = getattr(optimizer, "_optimizer", None)
+        if inner is None:
+            inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
+            break
+        optimizer = inner
+    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+        raise TypeError(
+            f"Expected a torch.optim.Optimizer (or a wrapper holding one in .optimizer/._optimizer), got "
+            f"{type(optimizer).__qualname__}. HINT: pass the optimizer that owns the parameters."
+        )
+    return optimizer
+
+
+def handles_unscaling(optimizer: Any) -> bool:
+    """Whether ``optimizer`` unscales and skips inside its own ``step()`` (``_step_supports_amp_scaling``).
+
+    torch's ``fused=True`` Adam, AdamW, SGD and Adagrad do: they read ``grad_scale`` and
+    ``found_inf`` attributes that the scaler sets before ``step()``.
+
+    Example:
+        >>> import torch
+        >>> params = torch.nn.Linear(1, 1).parameters()
+        >>> handles_unscaling(torch.optim.AdamW(params, fused=True))
+        True
+    """
+    return bool(getattr(unwrap_optimizer(optimizer), "_step_supports_amp_scaling", False))
+
+
+def gradients_to_unscale(optimizer: Any) -> list[Tensor]:
+    """The tensors that hold ``optimizer``'s gradient values, for an in-place unscale and inf check.
+
+    A dense gradient is itself; a sparse COO gradient contributes its ``_values()`` (an fp16
+    one is coalesced first, replacing ``.grad``, so that duplicate indices cannot hide an
+    overflow that their sum would produce), as torch's GradScaler does.
+
+    Example:
+        >>> import torch
+        >>> emb = torch.nn.Embedding(4, 2, sparse=True)
+        >>> emb(torch.tensor([1, 1])).sum().backward()
+        >>> [t.shape for t in gradients_to_unscale(torch.optim.SGD(emb.parameters(), lr=0.1))]
+        [torch.Size([2, 2])]
+    """
+    tensors: list[Tensor] = []
+    for group in unwrap_optimizer(optimizer).param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                if grad.dtype is torch.float16:
+                    param.grad = grad = grad.coalesce()
+                tensors.append(grad._values())
+            else:
+                tensors.append(grad)
+    return tensors
