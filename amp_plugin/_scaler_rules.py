@@ -12,9 +12,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_plugin import _imports
 from amp_plugin._validation import check_number, check_tensor_scalar, fail, is_number
+from amp_plugin.kernels import Backend, check_backend
 
-__all__ = ["SCALE_FLOOR", "check_config", "check_manual_scale", "check_norm_type", "checked_state"]
+__all__ = [
+    "SCALE_FLOOR", "check_config", "check_device", "check_kernels", "check_manual_scale", "check_norm_type",
+    "check_process_group", "checked_state",
+]  # fmt: skip
 
 # The smallest normal positive fp32 (2**-126): the scale never goes below it. GradScaler's own
 # scale can shrink past it into subnormals and then to exactly 0, where 0 * (1 / 0) = NaN
@@ -135,3 +140,40 @@ def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: A
 
 def _corrupt(what: str, got: str, allowed: str) -> None:
     fail(what, got, allowed, "the state is corrupt; resume from another checkpoint or drop the scaler state.")
+
+
+def check_device(device: object) -> str | None:
+    if device is None:
+        return None
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, str) and device:
+        try:
+            return torch.device(device).type
+        except RuntimeError:
+            pass
+    fail("LossScaler", f"device={device!r}", "None or a device type such as 'cuda' or 'cpu'",
+         "'gpu' is Lightning's accelerator name; torch's device type is 'cuda'.",
+         TypeError if not isinstance(device, str) else ValueError)  # fmt: skip
+
+
+def check_kernels(kernels: object) -> Backend:
+    name = check_backend(kernels)
+    if name == "apex" and not _imports.apex_available():
+        allowed = f"'apex' only where NVIDIA Apex amp_C imports ({_imports.apex_error()})"
+        fail(
+            "LossScaler",
+            "kernels='apex'",
+            allowed,
+            f"pass kernels='auto', or: {_imports.APEX_HINT}",
+            RuntimeError,
+        )
+    return name
+
+
+def check_process_group(group: object) -> Any:
+    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+        allowed = "None (the default group) or a torch.distributed.ProcessGroup"
+        hint = "pass the group object from torch.distributed.new_group(), not its name."
+        fail("LossScaler", f"process_group={group!r}", allowed, hint, TypeError)
+    return group

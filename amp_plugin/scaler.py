@@ -24,24 +24,20 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import Tensor
 
-from amp_plugin import _imports, _scaler_rules, clipping, distributed
+from amp_plugin import _scaler_rules, clipping, distributed
 from amp_plugin._validation import check_bool, check_int, check_number, fail
-from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
+from amp_plugin.kernels import Backend, Kernels, get_kernels
 from amp_plugin.optim import gradients_to_unscale, handles_unscaling, unwrap_optimizer
+from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning
 
 __all__ = ["LossScaler", "ScaleFloorWarning", "unwrap_optimizer"]
 
 T = TypeVar("T")
-_COLLAPSE_CHECK_EVERY = 100  # updates between the host reads that look for a scale stuck at its floor
 _GRAD_SCALER_KWARG_WARNING = (
     "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the near "
     "future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed optimizer and "
     "let the optimizer use them directly."
 )  # torch's words, so that filters written for GradScaler match ours too
-
-
-class ScaleFloorWarning(RuntimeWarning):
-    """The loss scale backed off to its floor: gradients overflow whatever the scale."""
 
 
 class _Stage(enum.Enum):
@@ -117,15 +113,13 @@ class LossScaler:
         sync_found_inf: distributed.SyncMode = "auto",
         process_group: Any = None,
     ) -> None:
-        device_type = _check_device(device)
+        device_type = _scaler_rules.check_device(device)
         enabled = check_bool("LossScaler", "enabled", enabled)
-        dynamic = check_bool("LossScaler", "dynamic", dynamic)
-        _scaler_rules.check_config(
-            init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
-        )
-        self._kernels_name = _check_kernels(kernels)
+        policy = DynamicScale(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+                              min_scale, max_scale, dynamic)  # fmt: skip
+        self._kernels_name = _scaler_rules.check_kernels(kernels)
         self._sync_mode = distributed.check_sync_mode(sync_found_inf)
-        self.process_group = _check_process_group(process_group)
+        self.process_group = _scaler_rules.check_process_group(process_group)
         if device_type == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn(
                 "LossScaler('cuda') is enabled, but CUDA is not available. Disabling.", stacklevel=2
@@ -133,24 +127,11 @@ class LossScaler:
             enabled = False
         self._device = device_type
         self._enabled = enabled
-        self._init_scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
-        self.hysteresis = int(hysteresis)
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.dynamic = dynamic
-        self.total_steps = 0
-        self._init_trackers = (0, self.hysteresis, 0)  # growth, hysteresis, skipped: used before lazy init
-        self._scale: Tensor | None = None
-        self._growth_tracker = self._hysteresis_tracker = self._skipped = torch.zeros(())
-        self._last_inf = self._floor_step = torch.zeros(())
+        self._policy = policy
         self._kernels: Kernels | None = None
         self._states: dict[int, _OptimizerState] = {}
         self._retired: list[Tensor] = []  # inf flags of steps taken before an optimizer was re-armed
         self._scaled = False  # scale() was called since the last update(): gradients carry the scale
-        self._floor_reported = False
 
     @classmethod
     def from_grad_scaler(cls, grad_scaler: Any, **options: Any) -> LossScaler:
@@ -204,7 +185,7 @@ class LossScaler:
         )
 
     def _scale_tensor(self, loss: Tensor) -> Tensor:
-        scale = self._scale if self._scale is not None else self._lazy_init(loss.device)
+        scale = self._policy.ensure(loss.device)
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
         self._scaled = True
@@ -281,12 +262,11 @@ class LossScaler:
         if not self._enabled:
             return
         scale = self._require_scale("update")
+        policy = self._policy
         if new_scale is not None:
-            value = _scaler_rules.check_manual_scale(new_scale, scale.device, self.min_scale, self.max_scale)
-            if isinstance(value, Tensor):
-                scale.copy_(value)
-            else:
-                scale.fill_(value)
+            policy.set_(
+                _scaler_rules.check_manual_scale(new_scale, scale.device, policy.min_scale, policy.max_scale)
+            )
             self._end_iteration()
             return
         for state in self._states.values():  # unscaled or clipped, never stepped: agree on it here
@@ -300,23 +280,12 @@ class LossScaler:
         found_inf = found[0].clone()
         for other in found[1:]:
             found_inf += other.to(found_inf.device)
-        if self.dynamic:
-            self._update_scale(scale, found_inf)
-        self._last_inf.copy_(found_inf > 0)
-        self._skipped += self._last_inf
-        self.total_steps += 1
         self._end_iteration()
-        if self.total_steps % _COLLAPSE_CHECK_EVERY == 0:
-            self._report_floor()
+        policy.update_(found_inf)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); synchronises the host."""
-        if not self._enabled:
-            return 1.0
-        if self._scale is None:
-            return self._init_scale
-        self._report_floor()
-        return float(self._scale.item())
+        return self._policy.value() if self._enabled else 1.0
 
     def is_enabled(self) -> bool:
         """Whether scaling is enabled."""
@@ -324,32 +293,32 @@ class LossScaler:
 
     def get_growth_factor(self) -> float:
         """The factor the scale grows by after ``growth_interval`` clean steps."""
-        return self._growth_factor
+        return self._policy.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (a finite number > 1), effective from the next ``update()``."""
-        self._growth_factor = check_number("LossScaler.set_growth_factor", "new_factor", new_factor,
+        self._policy.growth_factor = check_number("LossScaler.set_growth_factor", "new_factor", new_factor,
                                            low=1.0, low_open=True, hint="2.0 doubles the scale.")  # fmt: skip
 
     def get_backoff_factor(self) -> float:
         """The factor the scale backs off by on overflow."""
-        return self._backoff_factor
+        return self._policy.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (in (0, 1)), effective from the next ``update()``."""
-        self._backoff_factor = check_number(
+        self._policy.backoff_factor = check_number(
             "LossScaler.set_backoff_factor", "new_factor", new_factor,
             low=0.0, high=1.0, low_open=True, high_open=True, hint="0.5 halves the scale on overflow.",
         )  # fmt: skip
 
     def get_growth_interval(self) -> int:
         """Clean steps in a row before the scale grows."""
-        return self._growth_interval
+        return self._policy.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (an int >= 1), effective from the next ``update()``."""
         call = "LossScaler.set_growth_interval"
-        self._growth_interval = check_int(
+        self._policy.growth_interval = check_int(
             call, "new_interval", new_interval, low=1, hint="2000 is torch's default."
         )
 
@@ -357,6 +326,11 @@ class LossScaler:
     growth_factor = property(get_growth_factor)
     backoff_factor = property(get_backoff_factor)
     growth_interval = property(get_growth_interval)
+    hysteresis = property(lambda self: self._policy.hysteresis, doc="Overflows in a row before a backoff.")
+    min_scale = property(lambda self: self._policy.min_scale, doc="The lowest scale (None: 2**-126).")
+    max_scale = property(lambda self: self._policy.max_scale, doc="The highest scale (None: unbounded).")
+    dynamic = property(lambda self: self._policy.dynamic, doc="False: static loss scaling.")
+    total_steps = property(lambda self: self._policy.total_steps, doc="Iterations closed by update().")
 
     # -- what happened this iteration ------------------------------------------------------
 
@@ -399,12 +373,12 @@ class LossScaler:
     @property
     def skipped_steps(self) -> int:
         """How many iterations had an inf/NaN gradient (their steps were skipped)."""
-        return self._init_trackers[2] if self._scale is None else int(self._skipped.item())
+        return self._policy.skipped_steps()
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the iteration closed by the last ``update()`` was skipped."""
-        return self._scale is not None and bool(self._last_inf.item())
+        return self._policy.last_skipped()
 
     # -- clipping on unscaled gradients ----------------------------------------------------
 
@@ -461,7 +435,7 @@ class LossScaler:
         opt = unwrap_optimizer(optimizer)
         norm = self._backend().norm(clipping.gradients(opt.param_groups), norm_type)
         state = self._states.get(id(opt))
-        if not self._enabled or self._scale is None:
+        if not self._enabled or self._policy.scale is None:
             return norm
         carried = (
             self._carried_factor(opt) if state is None or state.stage is _Stage.READY else state.grad_scale
@@ -489,16 +463,7 @@ class LossScaler:
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state: torch's five keys plus this scaler's own. Empty when disabled."""
-        if not self._enabled:
-            return {}
-        growth, hyst, skipped = self._trackers()
-        return {
-            "scale": self.get_scale(), "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-            "_growth_tracker": growth, "hysteresis": self.hysteresis, "_hysteresis_tracker": hyst,
-            "min_scale": self.min_scale, "max_scale": self.max_scale, "dynamic": self.dynamic,
-            "skipped_steps": skipped, "total_steps": self.total_steps,
-        }  # fmt: skip
+        return self._policy.state_dict() if self._enabled else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
@@ -507,78 +472,29 @@ class LossScaler:
         iteration (after ``scale()``, before ``update()``): the gradients in flight carry
         the old scale.
         """
-        if not self._enabled:
-            return
-        self._require_between_iterations(
-            "load_state_dict", "load the state before scale() or after update()."
-        )
-        sd = _scaler_rules.checked_state(state_dict, self.hysteresis, self.min_scale, self.max_scale)
-        self._init_scale = float(sd["scale"])
-        self._growth_factor, self._backoff_factor = float(sd["growth_factor"]), float(sd["backoff_factor"])
-        self._growth_interval = int(sd["growth_interval"])
-        self.hysteresis, self.min_scale, self.max_scale = (
-            int(sd["hysteresis"]),
-            sd["min_scale"],
-            sd["max_scale"],
-        )
-        self.dynamic = bool(sd.get("dynamic", self.dynamic))
-        self.total_steps = int(sd.get("total_steps", 0))
-        self._init_trackers = (
-            int(sd["_growth_tracker"]), int(sd.get("_hysteresis_tracker", self.hysteresis)),
-            int(sd.get("skipped_steps", 0)),
-        )  # fmt: skip
-        self._floor_reported = False
-        if self._scale is not None:
-            self._lazy_init(self._scale.device)
+        if self._enabled:
+            self._require_between_iterations(
+                "load_state_dict", "load the state before scale() or after update()."
+            )
+            self._policy.load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled:
             self._require_between_iterations("pickling", "pickle (or deepcopy) the scaler after update().")
-        state = self.__dict__.copy()
-        if self._scale is not None:  # device tensors travel as numbers and are rebuilt lazily
-            state["_init_scale"], state["_init_trackers"] = self.get_scale(), self._trackers()
-            state["_scale"] = None
-        for name in _DEVICE_TRACKERS:  # plain numbers only: spawn would share tensors through fds
-            state[name] = None
-        state["_kernels"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        placeholder = torch.zeros(())
-        for name in _DEVICE_TRACKERS:
-            setattr(self, name, placeholder)
+        return {**self.__dict__, "_kernels": None}
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _lazy_init(self, device: torch.device) -> Tensor:
-        growth, hyst, skipped = self._init_trackers
-        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
-        self._growth_tracker = torch.full((), growth, dtype=torch.int32, device=device)
-        self._hysteresis_tracker = torch.full((), hyst, dtype=torch.int32, device=device)
-        self._skipped = torch.full((), skipped, dtype=torch.int64, device=device)
-        self._last_inf = torch.zeros((), dtype=torch.bool, device=device)
-        self._floor_step = torch.full((), -1, dtype=torch.int64, device=device)
-        return self._scale
-
-    def _trackers(self) -> tuple[int, int, int]:
-        if self._scale is None:
-            return self._init_trackers
-        values = torch.stack([self._growth_tracker.long(), self._hysteresis_tracker.long(), self._skipped])
-        growth, hyst, skipped = values.tolist()
-        return growth, hyst, skipped
-
     def _backend(self) -> Kernels:
         if self._kernels is None:
-            self._kernels = get_kernels(
-                self._kernels_name, None if self._scale is None else self._scale.device
-            )
+            scale = self._policy.scale
+            self._kernels = get_kernels(self._kernels_name, None if scale is None else scale.device)
         return self._kernels
 
     def _require_scale(self, call: str) -> Tensor:
-        if self._scale is None:
+        if self._policy.scale is None:
             raise RuntimeError(f"{call}() was called before scale(). HINT: " + _ORDER)
-        return self._scale
+        return self._policy.scale
 
     def _require_between_iterations(self, what: str, hint: str) -> None:
         if self._scaled or self._states or self._retired:
@@ -638,46 +554,6 @@ class LossScaler:
             del opt.grad_scale, opt.found_inf
             state.stage = _Stage.STEPPED
 
-    def _update_scale(self, scale: Tensor, found_inf: Tensor) -> None:
-        growth = self._growth_tracker
-        args = (self._growth_factor, self._backoff_factor, self._growth_interval)
-        if self.hysteresis == 1:
-            torch._amp_update_scale_(scale, growth, found_inf, *args)
-        else:
-            overflow = found_inf > 0
-            self._hysteresis_tracker.copy_(
-                torch.where(overflow, self._hysteresis_tracker - 1, torch.full_like(growth, self.hysteresis))
-            )
-            backoff = overflow & (self._hysteresis_tracker <= 0)
-            before = scale.clone()
-            torch._amp_update_scale_(scale, growth, backoff.float(), *args)
-            held = overflow & ~backoff  # absorbed by hysteresis: skip, keep the scale, restart growth
-            scale.copy_(torch.where(held, before, scale))
-            growth.masked_fill_(held, 0)
-        # The floor changes nothing while the scale is a normal fp32 number above min_scale.
-        floor = _scaler_rules.SCALE_FLOOR if self.min_scale is None else self.min_scale
-        first_time = (scale < floor) & (self._floor_step < 0)
-        self._floor_step.copy_(torch.where(first_time, self.total_steps, self._floor_step))
-        scale.clamp_(floor, self.max_scale)
-
-    def _report_floor(self) -> None:
-        if self._floor_reported or self._scale is None:
-            return
-        step = int(self._floor_step.item())
-        if step < 0:
-            return
-        self._floor_reported = True
-        floor = _scaler_rules.SCALE_FLOOR if self.min_scale is None else self.min_scale
-        warnings.warn(
-            f"LossScaler: the loss scale backed off to its floor {floor:g} at step {step} and the gradients "
-            "still overflowed: they are inf/NaN whatever the scale, so every such step is skipped (no weight "
-            "was changed by them). HINT: look for the first module that produces inf/NaN "
-            "(amp_plugin.diagnostics.NonFiniteTracer or LossScaleMonitor(trace_nonfinite=True)), lower the "
-            "learning rate, or train in bf16.",
-            ScaleFloorWarning,
-            stacklevel=3,
-        )
-
     def _end_iteration(self) -> None:
         self._states.clear()
         self._retired.clear()
@@ -697,42 +573,4 @@ class LossScaler:
         self._states.pop(id(unwrap_optimizer(optimizer)), None)
 
 
-_DEVICE_TRACKERS = ("_growth_tracker", "_hysteresis_tracker", "_skipped", "_last_inf", "_floor_step")
 _ORDER = "per iteration: scale(loss).backward(), optionally unscale_/clip, step(optimizer), update()."
-
-
-def _check_device(device: object) -> str | None:
-    if device is None:
-        return None
-    if isinstance(device, torch.device):
-        return device.type
-    if isinstance(device, str) and device:
-        try:
-            return torch.device(device).type
-        except RuntimeError:
-            pass
-    fail("LossScaler", f"device={device!r}", "None or a device type such as 'cuda' or 'cpu'",
-         "'gpu' is Lightning's accelerator name; torch's device type is 'cuda'.",
-         TypeError if not isinstance(device, str) else ValueError)  # fmt: skip
-
-
-def _check_kernels(kernels: object) -> Backend:
-    name = check_backend(kernels)
-    if name == "apex" and not _imports.apex_available():
-        allowed = f"'apex' only where NVIDIA Apex amp_C imports ({_imports.apex_error()})"
-        fail(
-            "LossScaler",
-            "kernels='apex'",
-            allowed,
-            f"pass kernels='auto', or: {_imports.APEX_HINT}",
-            RuntimeError,
-        )
-    return name
-
-
-def _check_process_group(group: object) -> Any:
-    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
-        allowed = "None (the default group) or a torch.distributed.ProcessGroup"
-        hint = "pass the group object from torch.distributed.new_group(), not its name."
-        fail("LossScaler", f"process_group={group!r}", allowed, hint, TypeError)
-    return group

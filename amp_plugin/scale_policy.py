@@ -1,0 +1,217 @@
+"""The loss scale on the device and the rule that moves it.
+
+:class:`DynamicScale` owns the scale tensor and its trackers and applies, once per
+iteration, torch's growth/backoff rule (``torch._amp_update_scale_``, bit for bit), Apex's
+hysteresis (back off only at the h-th overflowing step in a row), the ``min_scale`` /
+``max_scale`` bounds, and a floor at the smallest normal fp32. Nothing here reads a value
+back to the host, except the floor check once every 100 updates and where a caller asks
+for a number. :class:`~amp_plugin.LossScaler` drives it; the per-optimizer protocol
+(unscale, skip, clip) lives there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_plugin import _scaler_rules
+from amp_plugin._validation import check_bool
+
+__all__ = ["DynamicScale", "ScaleFloorWarning"]
+
+_FLOOR_CHECK_EVERY = 100  # updates between the host reads that look for a scale stuck at its floor
+_TRACKERS = ("growth_tracker", "hysteresis_tracker", "skipped", "last_inf", "floor_step")
+
+
+class ScaleFloorWarning(RuntimeWarning):
+    """The loss scale backed off to its floor: gradients overflow whatever the scale."""
+
+
+class DynamicScale:
+    """The scale and its trackers (device tensors, created on first use) and their update rule.
+
+    Args: as :class:`~amp_plugin.LossScaler`'s of the same names; validated here.
+
+    Example:
+        >>> s = DynamicScale(8.0, 2.0, 0.5, 2000, min_scale=2.0)
+        >>> _ = s.ensure(torch.device("cpu"))
+        >>> for _ in range(4):
+        ...     s.update_(torch.tensor(1.0))  # four overflows in a row
+        >>> s.value(), s.skipped_steps(), s.total_steps
+        (2.0, 4, 4)
+    """
+
+    def __init__(
+        self,
+        init_scale: float,
+        growth_factor: float,
+        backoff_factor: float,
+        growth_interval: int,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        dynamic: bool = True,
+    ) -> None:
+        _scaler_rules.check_config(
+            init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+        )
+        self.dynamic = check_bool("LossScaler", "dynamic", dynamic)
+        self.init_scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
+        self.min_scale, self.max_scale = min_scale, max_scale
+        self.total_steps = 0
+        self._start = (0, self.hysteresis, 0)  # growth, hysteresis, skipped: taken by ensure()
+        self.scale: Tensor | None = None
+        self.growth_tracker = self.hysteresis_tracker = self.skipped = torch.zeros(())
+        self.last_inf = self.floor_step = torch.zeros(())
+        self._floor_reported = False
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale: ``min_scale``, or the smallest normal fp32 (2**-126) without one."""
+        return _scaler_rules.SCALE_FLOOR if self.min_scale is None else self.min_scale
+
+    def ensure(self, device: torch.device) -> Tensor:
+        """The scale tensor, created on ``device`` (with its trackers) on first use."""
+        if self.scale is not None:
+            return self.scale
+        growth, hyst, skipped = self._start
+        self.scale = torch.full((), self.init_scale, dtype=torch.float32, device=device)
+        self.growth_tracker = torch.full((), growth, dtype=torch.int32, device=device)
+        self.hysteresis_tracker = torch.full((), hyst, dtype=torch.int32, device=device)
+        self.skipped = torch.full((), skipped, dtype=torch.int64, device=device)
+        self.last_inf = torch.zeros((), dtype=torch.bool, device=device)
+        self.floor_step = torch.full((), -1, dtype=torch.int64, device=device)
+        return self.scale
+
+    def update_(self, found_inf: Tensor) -> None:
+        """Close an iteration whose combined inf flag is ``found_inf`` (> 0: its steps were skipped)."""
+        scale = self._require()
+        if self.dynamic:
+            self._move(scale, found_inf)
+        self.last_inf.copy_(found_inf > 0)
+        self.skipped += self.last_inf
+        self.total_steps += 1
+        if self.total_steps % _FLOOR_CHECK_EVERY == 0:
+            self.report_floor()
+
+    def set_(self, value: float | Tensor) -> None:
+        """Set the scale by hand (validated by the caller); the trackers are kept."""
+        scale = self._require()
+        if isinstance(value, Tensor):
+            scale.copy_(value)
+        else:
+            scale.fill_(value)
+
+    def value(self) -> float:
+        """The scale as a Python float (synchronises the host)."""
+        if self.scale is None:
+            return self.init_scale
+        self.report_floor()
+        return float(self.scale.item())
+
+    def skipped_steps(self) -> int:
+        """Iterations closed with an inf/NaN flag."""
+        return self._start[2] if self.scale is None else int(self.skipped.item())
+
+    def last_skipped(self) -> bool:
+        """Whether the last closed iteration was skipped."""
+        return self.scale is not None and bool(self.last_inf.item())
+
+    def trackers(self) -> tuple[int, int, int]:
+        """``(growth tracker, hysteresis tracker, skipped steps)`` as Python ints (one host read)."""
+        if self.scale is None:
+            return self._start
+        values = torch.stack([self.growth_tracker.long(), self.hysteresis_tracker.long(), self.skipped])
+        growth, hyst, skipped = values.tolist()
+        return growth, hyst, skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five keys plus hysteresis, bounds, static mode and the step counts."""
+        growth, hyst, skipped = self.trackers()
+        return {
+            "scale": self.value(), "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval, "_growth_tracker": growth, "hysteresis": self.hysteresis,
+            "_hysteresis_tracker": hyst, "min_scale": self.min_scale, "max_scale": self.max_scale,
+            "dynamic": self.dynamic, "skipped_steps": skipped, "total_steps": self.total_steps,
+        }  # fmt: skip
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Validate the whole dict (:func:`~amp_plugin._scaler_rules.checked_state`), then load it."""
+        sd = _scaler_rules.checked_state(state_dict, self.hysteresis, self.min_scale, self.max_scale)
+        self.init_scale = float(sd["scale"])
+        self.growth_factor, self.backoff_factor = float(sd["growth_factor"]), float(sd["backoff_factor"])
+        self.growth_interval, self.hysteresis = int(sd["growth_interval"]), int(sd["hysteresis"])
+        self.min_scale, self.max_scale = sd["min_scale"], sd["max_scale"]
+        self.dynamic = bool(sd.get("dynamic", self.dynamic))
+        self.total_steps = int(sd.get("total_steps", 0))
+        hyst = int(sd.get("_hysteresis_tracker", self.hysteresis))
+        self._start = (int(sd["_growth_tracker"]), hyst, int(sd.get("skipped_steps", 0)))
+        self._floor_reported = False
+        if self.scale is not None:
+            device, self.scale = self.scale.device, None
+            self.ensure(device)
+
+    def report_floor(self) -> None:
+        """Warn once (:class:`ScaleFloorWarning`) if the scale has backed off to its floor."""
+        if self._floor_reported or self.scale is None:
+            return
+        step = int(self.floor_step.item())
+        if step < 0:
+            return
+        self._floor_reported = True
+        warnings.warn(
+            f"LossScaler: the loss scale backed off to its floor {self.floor:g} at step {step} and the "
+            "gradients still overflowed: they are inf/NaN whatever the scale, so every such step is skipped "
+            "(no weight was changed by them). HINT: look for the first module that produces inf/NaN "
+            "(amp_plugin.diagnostics.NonFiniteTracer or LossScaleMonitor(trace_nonfinite=True)), lower the "
+            "learning rate, or train in bf16.",
+            ScaleFloorWarning,
+            stacklevel=4,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self.scale is not None:  # numbers only: spawn would send tensors through shared-memory fds
+            state["init_scale"], state["_start"], state["scale"] = self.value(), self.trackers(), None
+        for name in _TRACKERS:
+            state[name] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        placeholder = torch.zeros(())
+        for name in _TRACKERS:
+            setattr(self, name, placeholder)
+
+    def _require(self) -> Tensor:
+        if self.scale is None:
+            raise RuntimeError(
+                "The loss scale is used before scale() created it. HINT: call scale(loss) first."
+            )
+        return self.scale
+
+    def _move(self, scale: Tensor, found_inf: Tensor) -> None:
+        growth = self.growth_tracker
+        args = (self.growth_factor, self.backoff_factor, self.growth_interval)
+        if self.hysteresis == 1:
+            torch._amp_update_scale_(scale, growth, found_inf, *args)
+        else:
+            overflow = found_inf > 0
+            self.hysteresis_tracker.copy_(
+                torch.where(overflow, self.hysteresis_tracker - 1, torch.full_like(growth, self.hysteresis))
+            )
+            backoff = overflow & (self.hysteresis_tracker <= 0)
+            before = scale.clone()
+            torch._amp_update_scale_(scale, growth, backoff.float(), *args)
+            held = overflow & ~backoff  # absorbed by hysteresis: skip, keep the scale, restart growth
+            scale.copy_(torch.where(held, before, scale))
+            growth.masked_fill_(held, 0)
+        # The floor changes nothing while the scale is a normal fp32 number above min_scale.
+        first_time = (scale < self.floor) & (self.floor_step < 0)
+        self.floor_step.copy_(torch.where(first_time, self.total_steps, self.floor_step))
+        scale.clamp_(self.floor, self.max_scale)
