@@ -144,9 +144,10 @@ class NonFiniteTracer:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        if not isinstance(model, nn.Module):
+        given: object = model  # typed callers cannot pass anything else; untyped ones can
+        if not isinstance(given, nn.Module):
             hint = "pass the model (e.g. the LightningModule), not its output or its parameters."
-            fail("NonFiniteTracer", f"model={type(model).__name__}", "a torch.nn.Module", hint, TypeError)
+            fail("NonFiniteTracer", f"model={type(given).__name__}", "a torch.nn.Module", hint, TypeError)
         self._model = model
         self._root = f"<{type(model).__name__}>"
         self._handles: list[RemovableHandle] = []

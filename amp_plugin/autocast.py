@@ -254,6 +254,15 @@ class AutocastDataParallel(nn.DataParallel):  # type: ignore[type-arg]
         torch.bfloat16
     """
 
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        given: object = module  # without GPUs nn.DataParallel would keep anything and fail in forward
+        if not isinstance(given, nn.Module):
+            hint = "pass the model instance (a class must be instantiated first)."
+            fail(
+                "AutocastDataParallel", f"module={given!r:.80}", "a torch.nn.Module instance", hint, TypeError
+            )
+        super().__init__(module, *args, **kwargs)
+
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
         state = autocast_state()
         # torch's fan-out only calls each entry, so a callable can stand in for its replica;

@@ -363,6 +363,14 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(accelerator, "device_index", lambda device: contextlib.nullcontext())
 
 
+@pytest.mark.parametrize("module", ["model", None, Recorder])
+def test_autocast_data_parallel_refuses_what_is_not_a_module_when_built(module: Any) -> None:
+    # Without GPUs nn.DataParallel keeps anything and fails only at the first forward.
+    match = r"^AutocastDataParallel\(module=.*\) is not allowed: a torch\.nn\.Module instance\. HINT"
+    with pytest.raises(TypeError, match=match):
+        AutocastDataParallel(module)
+
+
 def two_replicas() -> tuple[list[Recorder], list[tuple[torch.Tensor]]]:
     recorder = Recorder()
     return [recorder, copy.deepcopy(recorder)], [(torch.randn(2, 4),), (torch.randn(2, 4),)]
