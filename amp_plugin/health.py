@@ -103,9 +103,7 @@ class SkipHealth:
         min_scale: float | None = None,
     ) -> None:
         validate_policy("SkipHealth", warmup_steps, window, max_consecutive_skips, max_skip_rate)
-        self.min_scale = _positive_or_none(
-            "SkipHealth", "min_scale", min_scale, "pass the scaler's min_scale."
-        )
+        self.min_scale = _number_or_none("SkipHealth", "min_scale", min_scale, "pass the scaler's min_scale.")
         self.warmup_steps, self.window = warmup_steps, window
         self.max_consecutive_skips, self.max_skip_rate = max_consecutive_skips, max_skip_rate
         self.state: HealthState = "clean"
@@ -124,11 +122,11 @@ class SkipHealth:
 
         Raises:
             TypeError / ValueError: ``skipped`` is not a bool, or ``scale`` is neither ``None`` nor a
-                finite number > 0 (nothing is counted then).
+                finite number >= 0 (nothing is counted then).
         """
         check_bool("SkipHealth.observe", "skipped", skipped)
-        scale = _positive_or_none(
-            "SkipHealth.observe", "scale", scale, "pass LossScaler.get_scale(), or None."
+        scale = _number_or_none(
+            "SkipHealth.observe", "scale", scale, "pass LossScaler.get_scale().", zero=True
         )
         self.steps += 1
         if len(self.flags) == self.window:
@@ -286,14 +284,21 @@ def validate_monitor_options(on_pathological: object, trace_nonfinite: object, p
         )
 
 
-def _positive_or_none(
-    call: str, name: str, value: object, hint: str, error: type[Exception] | None = None
+def _number_or_none(
+    call: str,
+    name: str,
+    value: object,
+    hint: str,
+    *,
+    zero: bool = False,
+    error: type[Exception] | None = None,
 ) -> float | None:
+    """``None`` or a finite number > 0 (>= 0 with ``zero``: a scale halved ~150 times in a row is 0)."""
     if value is None:
         return None
-    if not is_number(value) or value <= 0:  # type: ignore[operator]
+    if not is_number(value) or value < 0 or (value == 0 and not zero):  # type: ignore[operator]
         wrong_type = not isinstance(value, (int, float)) or isinstance(value, bool)
-        fail(call, f"{name}={value!r}", "None or a finite number > 0", hint,
+        fail(call, f"{name}={value!r}", f"None or a finite number {'>=' if zero else '>'} 0", hint,
              error or (TypeError if wrong_type else ValueError))  # fmt: skip
     return float(value)  # type: ignore[arg-type]
 
@@ -361,7 +366,7 @@ def check_health_state(state: object, call: str, where: str = "") -> dict[str, A
     warmup_skipped = entries.count("warmup_skipped", skipped, "skipped")
     consecutive = entries.count("consecutive", skipped, "skipped")
     scale_name = f"{where}['scale']" if where else "scale"
-    scale = _positive_or_none(call, scale_name, values["scale"], _CORRUPT, ValueError)
+    scale = _number_or_none(call, scale_name, values["scale"], _CORRUPT, zero=True, error=ValueError)
     flags = entries.flags(steps, skipped)
     ending = next((i for i, f in enumerate(reversed(flags)) if not f), len(flags))  # skips that end flags
     if ending < len(flags) and consecutive != ending:

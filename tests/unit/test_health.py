@@ -120,8 +120,8 @@ def test_bad_policy_raises(kwargs: dict[str, Any], error: type[Exception], match
     [
         (("False",), TypeError, r"skipped='False'\) is not allowed: a bool"),
         ((1,), TypeError, r"skipped=1\) is not allowed: a bool"),
-        ((True, "512"), TypeError, r"scale='512'\) is not allowed: None or a finite number > 0"),
-        ((True, float("nan")), ValueError, r"scale=nan\) is not allowed: None or a finite number > 0"),
+        ((True, "512"), TypeError, r"scale='512'\) is not allowed: None or a finite number >= 0"),
+        ((True, float("nan")), ValueError, r"scale=nan\) is not allowed: None or a finite number >= 0"),
         ((True, -2.0), ValueError, r"scale=-2.0\) is not allowed"),
     ],
 )
@@ -134,6 +134,16 @@ def test_observe_refuses_bad_input_and_counts_nothing(
     with pytest.raises(error, match=r"^SkipHealth\.observe\(" + match + r".*HINT"):
         health.observe(*args)
     assert health.state_dict() == before
+
+
+def test_a_scale_that_backed_off_to_zero_is_observed_not_refused() -> None:
+    # fp32 halving underflows to 0 after ~150 overflows in a row: a run to report, not to crash on.
+    health = _health()
+    verdict = health.observe(True, 0.0)
+    assert verdict is not None and verdict.state == "pathological" and "the scale fell to 0" in verdict.reason
+    resumed = _health()
+    resumed.load_state_dict(health.state_dict())
+    assert resumed.scale == 0.0 and resumed.state == "pathological"
 
 
 def _saved() -> dict[str, Any]:
@@ -152,7 +162,8 @@ BAD_HEALTH_STATES: list[tuple[dict[str, Any], str]] = [
     ({"warmup_skipped": 3}, r"warmup_skipped=3\) is not allowed: an int from 0 to skipped=2"),
     ({"consecutive": 3}, r"consecutive=3\) is not allowed: an int from 0 to skipped=2"),
     ({"consecutive": 0}, r"consecutive=0\) is not allowed: the number of skipped steps that end flags \(1\)"),
-    ({"scale": "512"}, r"scale='512'\) is not allowed: None or a finite number > 0"),
+    ({"scale": "512"}, r"scale='512'\) is not allowed: None or a finite number >= 0"),
+    ({"scale": -1.0}, r"scale=-1.0\) is not allowed: None or a finite number >= 0"),
     ({"scale": float("nan")}, r"scale=nan\) is not allowed"),
     ({"flags": "x......x"}, r"flags='x......x'\) is not allowed: a list of bools"),
     ({"flags": [1, 0]}, r"flags=\[1, 0\]\) is not allowed: a list of bools"),
