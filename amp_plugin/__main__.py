@@ -17,13 +17,18 @@ from typing import Any
 
 from torch import nn
 
+from amp_plugin._validation import fail
 from amp_plugin.diagnostics import AuditReport, audit_model, device_report, format_device_report
 
-_SPEC_HELP = "HINT: pass the module path and the factory name, e.g. --model mypackage.models:build_model"
+_SPEC_FIX = "pass the module path and the factory name, e.g. --model mypackage.models:build_model"
+_SPEC_HELP = f"HINT: {_SPEC_FIX}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line and return the exit status.
+    """Run the command line and return the exit status; ``argv`` defaults to ``sys.argv[1:]``.
+
+    Raises:
+        TypeError: ``argv`` is neither ``None`` nor a list (or tuple) of strings.
 
     Example:
         >>> main(["doctor", "--no-measure"])  # doctest: +ELLIPSIS
@@ -31,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ...
         0
     """
+    if argv is not None and not (isinstance(argv, (list, tuple)) and all(isinstance(a, str) for a in argv)):
+        # A plain string would be split into one argument per character, a baffling usage error.
+        example = f"main({argv.split()!r})" if isinstance(argv, str) else "main(['doctor', '--json'])"
+        fail("main", f"argv={argv!r:.80}", "None or a list of strings", f"{example}.", TypeError)
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -80,6 +89,7 @@ def load_model(spec: str) -> nn.Module:
     """Import ``package.module:factory`` (the factory may be dotted) and call it without arguments.
 
     Raises:
+        TypeError: ``spec`` is not a string.
         ValueError: ``spec`` is malformed or names a missing attribute.
         ImportError: the module cannot be imported.
         TypeError: the factory is not callable or does not return a ``torch.nn.Module``.
@@ -89,6 +99,8 @@ def load_model(spec: str) -> nn.Module:
         >>> load_model("torch.nn:Identity")
         Identity()
     """
+    if not isinstance(spec, str):
+        fail("load_model", f"spec={spec!r:.80}", "a 'package.module:factory' str", _SPEC_FIX, TypeError)
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr or ":" in attr:
         raise ValueError(

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from amp_plugin._validation import check_int, fail
+
 Severity = Literal["error", "warning", "info"]
 
 FP16_MAX = 65504.0
@@ -80,7 +82,11 @@ class AuditReport:
         }
 
     def format(self, width: int = 100) -> str:
-        """A readable table: one row per finding (severity, code, where), the message wrapped below."""
+        """A readable table: one row per finding (severity, code, where), the message wrapped below.
+
+        ``width`` (an int >= 20) is the column at which messages wrap.
+        """
+        check_int("AuditReport.format", "width", width, low=20, hint="100 columns suits a terminal.")
         counts = ", ".join(f"{n} {s}" for s, n in self.counts().items())
         lines = [f"Audit of {self.model}: {counts}"]
         if not self.findings:
@@ -120,10 +126,8 @@ def audit_model(model: nn.Module) -> AuditReport:
         ['tensor-core-size']
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"audit_model(model={type(model).__name__}); allowed: a torch.nn.Module. "
-            "HINT: pass the model instance, e.g. audit_model(MyModel())."
-        )
+        fail("audit_model", f"model={type(model).__name__}", "a torch.nn.Module",
+             "pass the model instance, e.g. audit_model(MyModel()).", TypeError)  # fmt: skip
     findings: list[Finding] = []
     for name, module in model.named_modules():
         findings += [*_sizes(name, module), *_norm(name, module), *_losses(name, module)]

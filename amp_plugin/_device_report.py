@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from amp_plugin import _imports
+from amp_plugin._validation import check_bool, check_number, fail
 from amp_plugin.autocast import auto_precision_reason, resolve_precision
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,15 +38,17 @@ def device_report(measure: bool = True, *, budget_s: float = 0.2) -> dict[str, A
         budget_s: about how long to time each dtype on each device, in seconds.
 
     Raises:
-        ValueError: ``budget_s`` is not a positive number.
+        TypeError: ``measure`` is not a bool, or ``budget_s`` not a number.
+        ValueError: ``budget_s`` is not a finite number > 0.
 
     Example:
         >>> report = device_report(measure=False)
         >>> report["recommended_precision"] in ("bf16-mixed", "16-mixed")
         True
     """
-    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
-        raise ValueError(f"budget_s={budget_s!r}; allowed: a number > 0. HINT: 0.2 seconds is plenty.")
+    check_bool("device_report", "measure", measure)
+    budget_s = check_number("device_report", "budget_s", budget_s, low=0.0, low_open=True,
+                            hint="0.2 seconds is plenty.")  # fmt: skip
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = resolve_precision("auto", device_type)
     scaling = "no loss scaling needed (fp32's range)" if dtype == torch.bfloat16 else "with loss scaling"
@@ -161,6 +164,13 @@ def format_device_report(report: dict[str, Any]) -> str:
         >>> print(format_device_report(device_report(measure=False)).splitlines()[0])
         amp_plugin doctor
     """
+    keys = ("versions", "cpu", "cuda", "apex", "throughput_tflops", "recommended_precision", "reason")
+    if not isinstance(report, dict) or not set(keys) <= report.keys():
+        got = f"report={type(report).__name__}" + (
+            f" with keys {sorted(report)}" if isinstance(report, dict) else ""
+        )
+        fail("format_device_report", got, f"the dict device_report() returns, with keys {', '.join(keys)}",
+             "pass device_report() (or the 'device' entry of the doctor's JSON).", TypeError)  # fmt: skip
     v, cpu, cuda, apex = report["versions"], report["cpu"], report["cuda"], report["apex"]
     lines = [
         "amp_plugin doctor",

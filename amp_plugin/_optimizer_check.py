@@ -14,14 +14,17 @@ import torch
 from torch import Tensor, nn
 
 from amp_plugin._audit import Finding, join_names
+from amp_plugin._validation import check_bool, check_device_type, fail
 from amp_plugin.scaler import unwrap_optimizer
+
+_CALL = "check_optimizer_setup"
 
 
 def check_optimizer_setup(
     model: nn.Module,
     optimizers: torch.optim.Optimizer | Iterable[Any],
     *,
-    device_type: str,
+    device_type: str | torch.device,
     dtype: torch.dtype,
     master_weights: bool = False,
     grad_scaling: bool | None = None,
@@ -37,13 +40,14 @@ def check_optimizer_setup(
     Args:
         model: the model being trained.
         optimizers: an optimizer or several (wrappers such as ``LightningOptimizer`` are unwrapped).
-        device_type: the autocast device type, e.g. ``"cuda"``.
+        device_type: the autocast device type, e.g. ``"cuda"`` (a ``torch.device`` or ``"cuda:0"``
+            counts as its type; see :func:`~amp_plugin.autocast.check_device`).
         dtype: the autocast dtype, ``torch.float16`` or ``torch.bfloat16``.
         master_weights: whether fp32 master copies of half-precision parameters are kept.
         grad_scaling: whether the loss is scaled; ``None`` means "when ``dtype`` is float16".
 
     Raises:
-        TypeError / ValueError: arguments of the wrong type or value.
+        TypeError / ValueError: arguments of the wrong type or value (checked before any finding).
 
     Example:
         >>> model = nn.Linear(4, 4).half()
@@ -51,7 +55,7 @@ def check_optimizer_setup(
         >>> [f.code for f in check_optimizer_setup(model, opt, device_type="cpu", dtype=torch.float16)]
         ['fp16-params']
     """
-    _check_setup_args(model, device_type, dtype)
+    device_type = _check_setup_args(model, device_type, dtype, master_weights, grad_scaling)
     scaling = dtype == torch.float16 if grad_scaling is None else grad_scaling
     names = {id(p): n for n, p in model.named_parameters()}
     found: list[Finding] = []
@@ -81,22 +85,20 @@ def _as_list(optimizers: Any) -> list[Any]:
     return list(optimizers)
 
 
-def _check_setup_args(model: Any, device_type: Any, dtype: Any) -> None:
+def _check_setup_args(model: Any, device: Any, dtype: Any, master_weights: Any, grad_scaling: Any) -> str:
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"check_optimizer_setup(model={type(model).__name__}); allowed: a torch.nn.Module. "
-            "HINT: pass the model whose parameters the optimizers hold."
-        )
-    if not isinstance(device_type, str) or not device_type or ":" in device_type:
-        raise ValueError(
-            f"device_type={device_type!r}; allowed: a device type such as 'cuda' or 'cpu'. "
-            "HINT: for a torch.device use `device.type` ('cuda', not 'cuda:0')."
-        )
+        fail(_CALL, f"model={type(model).__name__}", "a torch.nn.Module",
+             "pass the model whose parameters the optimizers hold.", TypeError)  # fmt: skip
+    device_type = check_device_type(_CALL, "device_type", device)
     if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(
-            f"dtype={dtype!r}; allowed: torch.float16 or torch.bfloat16. "
-            "HINT: pass the autocast dtype of the precision in use."
-        )
+        error = ValueError if isinstance(dtype, torch.dtype) else TypeError
+        hint = "pass the torch.dtype, e.g. torch.float16, of the autocast precision in use."
+        fail(_CALL, f"dtype={dtype!r}", "torch.float16 or torch.bfloat16", hint, error)
+    check_bool(_CALL, "master_weights", master_weights)
+    if grad_scaling is not None and not isinstance(grad_scaling, bool):
+        fail(_CALL, f"grad_scaling={grad_scaling!r}", "None or a bool",
+             "leave it None (scaling with float16) or pass True or False.", TypeError)  # fmt: skip
+    return device_type
 
 
 def _precision_findings(ctx: _OptContext, scaling: bool, master_weights: bool) -> Iterator[Finding]:

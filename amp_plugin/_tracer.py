@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from amp_plugin._validation import fail
+
 FP16_MAX = 65504.0
 
 
@@ -142,11 +144,10 @@ class NonFiniteTracer:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"NonFiniteTracer(model={type(model).__name__}); allowed: a torch.nn.Module. "
-                "HINT: pass the model (e.g. the LightningModule), not its output or its parameters."
-            )
+        given: object = model  # typed callers cannot pass anything else; untyped ones can
+        if not isinstance(given, nn.Module):
+            hint = "pass the model (e.g. the LightningModule), not its output or its parameters."
+            fail("NonFiniteTracer", f"model={type(given).__name__}", "a torch.nn.Module", hint, TypeError)
         self._model = model
         self._root = f"<{type(model).__name__}>"
         self._handles: list[RemovableHandle] = []

@@ -20,8 +20,10 @@ from typing import Any, NoReturn
 import torch
 
 __all__ = [
+    "autocast_device_types",
     "check_bool",
     "check_choice",
+    "check_device_type",
     "check_int",
     "check_number",
     "check_tensor_scalar",
@@ -136,6 +138,63 @@ def check_choice(call: str, name: str, value: object, choices: Iterable[object],
         allowed = "one of " + ", ".join(map(repr, options))
         fail(call, f"{name}={value!r}", allowed, hint or f"pass {name}={options[0]!r}.")
     return value
+
+
+_KNOWN_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "maia", "xla", "ipu")
+# Names that are not device types but are often passed as one, and what to say about them.
+_DEVICE_HINTS = {
+    "gpu": "'gpu' is Lightning's accelerator name; the device type is 'cuda'",
+    "tpu": "'tpu' is Lightning's accelerator name; the device type is 'xla'",
+    "auto": "'auto' is Lightning's accelerator choice, not a device type; pass e.g. 'cuda' or 'cpu'",
+}
+
+
+def autocast_device_types() -> tuple[str, ...]:
+    """The device types that have autocast in this torch build; asking initialises no device.
+
+    Example:
+        >>> autocast_device_types()[:2]
+        ('cpu', 'cuda')
+    """
+    candidates = (*_KNOWN_DEVICE_TYPES, torch._C._get_privateuse1_backend_name())
+    return tuple(dict.fromkeys(d for d in candidates if torch.amp.is_autocast_available(d)))
+
+
+def check_device_type(call: str, name: str, value: object) -> str:
+    """The device type of ``value`` (a ``str`` or ``torch.device``; an index is dropped) if it has autocast.
+
+    Example:
+        >>> check_device_type("resolve_precision", "device_type", "cuda:0")
+        'cuda'
+    """
+    got, types = f"{name}={value!r}", ", ".join(map(repr, autocast_device_types()))
+    if not isinstance(value, (str, torch.device)):
+        index = isinstance(value, int) and not isinstance(value, bool)
+        hint = (
+            f"{value!r} looks like a CUDA index: pass 'cuda'."
+            if index
+            else "pass a device type such as 'cuda'."
+        )
+        fail(call, got, f"a str or torch.device whose type has autocast: {types}", hint, TypeError)
+    try:
+        device_type = torch.device(value).type
+    except RuntimeError:  # torch's message lists every device type it knows, autocast or not
+        fail(call, got, f"a device type with autocast: {types}", _device_hint(value))
+    if not torch.amp.is_autocast_available(device_type):
+        allowed = f"autocast is not available for device type {device_type!r}; those with it: {types}"
+        fail(call, got, allowed, _device_hint(value))
+    return device_type
+
+
+def _device_hint(value: object) -> str:
+    text, types = str(value), autocast_device_types()
+    if text.lower() in _DEVICE_HINTS:
+        return _DEVICE_HINTS[text.lower()] + "."
+    if text != text.lower() and text.lower() in types:
+        return f"device types are lowercase: {text.lower()!r}."
+    if ":" in text and text.partition(":")[0] in types:
+        return f"write the device type alone, e.g. {text.partition(':')[0]!r} (or with an index, 'cuda:0')."
+    return "pass a device type such as 'cuda' or 'cpu' (for a device object, `device.type`)."
 
 
 def check_tensor_scalar(call: str, name: str, value: object, hint: str = "") -> torch.Tensor:

@@ -21,6 +21,8 @@ from torch import nn
 from torch.nn.parallel import parallel_apply as _torch_parallel_apply
 from torch.utils.hooks import RemovableHandle
 
+from amp_plugin._validation import autocast_device_types, check_device_type, fail
+
 Precision = Literal["16-mixed", "bf16-mixed", "auto"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
@@ -38,20 +40,23 @@ _HINTS = {
 }
 # Device types that compute natively in bf16; torch's default autocast dtype there is bf16 too.
 _BF16_NATIVE = frozenset({"cpu", "hpu", "xla", "maia"})
-_KNOWN_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "maia", "xla", "ipu")
 
 
-def _check_device_type(device_type: str) -> None:
-    try:
-        available = ":" not in device_type and torch.amp.is_autocast_available(device_type)
-    except (RuntimeError, TypeError):  # torch raises on unknown names and non-strings
-        available = False
-    if not available:
-        raise ValueError(
-            f"Autocast is not available for device type {device_type!r}; allowed: "
-            f"{', '.join(_device_types())}. HINT: pass a device type such as 'cuda' or "
-            "'cpu' (for a device object use `device.type`, e.g. 'cuda' rather than 'cuda:0')."
-        )
+def check_device(device: object, call: str) -> str:
+    """The device type named by ``device`` (a ``str`` or ``torch.device``) if autocast has it.
+
+    An index is dropped (``"cuda:0"`` and ``torch.device("cuda", 0)`` give ``"cuda"``). Whether
+    such a device is present is not checked here. ``call`` names the entry point in the message.
+
+    Raises:
+        TypeError: ``device`` is neither a ``str`` nor a ``torch.device``.
+        ValueError: it names no device type that has autocast (``"gpu"``, ``""``, ``"meta"``, ...).
+
+    Example:
+        >>> check_device("cuda:0", "AMPPrecision"), check_device(torch.device("cpu"), "AMPPrecision")
+        ('cuda', 'cpu')
+    """
+    return check_device_type(call, "device", device)
 
 
 def _supported_dtypes(device_type: str) -> list[torch.dtype]:
@@ -76,7 +81,7 @@ def _auto_choice(device_type: str) -> tuple[torch.dtype, str]:
     return torch.float16, f"fp16: no bf16 capability check for device type {device_type!r}"
 
 
-def auto_precision_reason(device_type: str) -> str:
+def auto_precision_reason(device_type: str | torch.device) -> str:
     """Say, in words, which dtype ``"auto"`` picks on ``device_type`` and why.
 
     Initialises only the device type asked about (CUDA only for ``"cuda"``).
@@ -85,8 +90,7 @@ def auto_precision_reason(device_type: str) -> str:
         >>> auto_precision_reason("cpu")
         'bf16: CPU autocast supports bf16'
     """
-    _check_device_type(device_type)
-    return _auto_choice(device_type)[1]
+    return _auto_choice(check_device_type("auto_precision_reason", "device_type", device_type))[1]
 
 
 def check_precision(precision: object) -> Precision:
@@ -97,16 +101,18 @@ def check_precision(precision: object) -> Precision:
     return precision  # type: ignore[return-value]
 
 
-def resolve_precision(precision: str, device_type: str) -> torch.dtype:
+def resolve_precision(precision: str, device_type: str | torch.device) -> torch.dtype:
     """Turn a precision string into the autocast dtype for ``device_type``.
 
     ``"16-mixed"`` is fp16 and ``"bf16-mixed"`` bf16, on every device type that supports
     them (fp16 on CPU included, unlike Lightning, which turns it into bf16). ``"auto"``
     picks bf16 where the device has it (CPU; CUDA compute capability >= 8.0), else fp16.
+    ``device_type`` is checked by :func:`check_device` (``"cuda:0"`` counts as ``"cuda"``).
 
     Raises:
         ValueError: unknown precision string, a device type without autocast, or a dtype
             the device's autocast cannot run.
+        TypeError: ``device_type`` is neither a ``str`` nor a ``torch.device``.
 
     Example:
         >>> resolve_precision("16-mixed", "cpu")
@@ -115,7 +121,7 @@ def resolve_precision(precision: str, device_type: str) -> torch.dtype:
         torch.bfloat16
     """
     check_precision(precision)
-    _check_device_type(device_type)
+    device_type = check_device_type("resolve_precision", "device_type", device_type)
     dtype = _auto_choice(device_type)[0] if precision == "auto" else _DTYPES[precision]
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
@@ -134,12 +140,6 @@ def resolve_precision(precision: str, device_type: str) -> torch.dtype:
             f"only {supported}. HINT: use {other}."
         )
     return dtype
-
-
-def _device_types() -> tuple[str, ...]:
-    # Asking whether autocast exists for a type initialises no device.
-    candidates = (*_KNOWN_DEVICE_TYPES, torch._C._get_privateuse1_backend_name())
-    return tuple(dict.fromkeys(d for d in candidates if torch.amp.is_autocast_available(d)))
 
 
 @dataclass(frozen=True)
@@ -166,9 +166,10 @@ class AutocastState:
     devices: tuple[DeviceAutocast, ...]
     cache_enabled: bool
 
-    def device(self, device_type: str) -> DeviceAutocast:
-        """The captured state of ``device_type`` (``KeyError`` for a type without autocast)."""
-        return {d.device_type: d for d in self.devices}[device_type]
+    def device(self, device_type: str | torch.device) -> DeviceAutocast:
+        """The captured state of ``device_type``, checked as by :func:`check_device`."""
+        wanted = check_device_type("AutocastState.device", "device_type", device_type)
+        return {d.device_type: d for d in self.devices}[wanted]  # KeyError: a backend registered since
 
     def disabled(self) -> AutocastState:
         """The same state with autocast off for every device type (dtypes kept)."""
@@ -205,7 +206,8 @@ def autocast_state() -> AutocastState:
         False
     """
     devices = tuple(
-        DeviceAutocast(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _device_types()
+        DeviceAutocast(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+        for d in autocast_device_types()
     )
     return AutocastState(devices, torch.is_autocast_cache_enabled())
 
@@ -226,6 +228,11 @@ def propagate_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         ...     pool.submit(matmul, torch.ones(2, 2), torch.ones(2, 2)).result().dtype
         torch.float16
     """
+    given: object = fn  # typed callers cannot pass anything else; untyped ones can
+    if not callable(given):
+        got = f"fn={given!r}" if given is None or isinstance(given, str) else f"fn={type(given).__name__}"
+        hint = "pass the function itself, e.g. propagate_autocast(step)."
+        fail("propagate_autocast", got, "a callable", hint, TypeError)
     state = autocast_state()
 
     @functools.wraps(fn)
@@ -247,6 +254,15 @@ class AutocastDataParallel(nn.DataParallel):  # type: ignore[type-arg]
         torch.bfloat16
     """
 
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        given: object = module  # without GPUs nn.DataParallel would keep anything and fail in forward
+        if not isinstance(given, nn.Module):
+            hint = "pass the model instance (a class must be instantiated first)."
+            fail(
+                "AutocastDataParallel", f"module={given!r:.80}", "a torch.nn.Module instance", hint, TypeError
+            )
+        super().__init__(module, *args, **kwargs)
+
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
         state = autocast_state()
         # torch's fan-out only calls each entry, so a callable can stand in for its replica;
@@ -265,6 +281,9 @@ def find_data_parallel(module: nn.Module) -> list[str]:
         >>> find_data_parallel(torch.nn.Sequential(torch.nn.DataParallel(torch.nn.Linear(2, 2))))
         ['0']
     """
+    if not isinstance(module, nn.Module):
+        fail("find_data_parallel", f"module={type(module).__name__}", "a torch.nn.Module",
+             "pass the model itself.", TypeError)  # fmt: skip
     return [
         name
         for name, sub in module.named_modules()
@@ -332,16 +351,34 @@ class Fp32Modules:
 
 
 def check_module_classes(classes: object) -> tuple[type[nn.Module], ...]:
-    """Validate a sequence of module classes (``fp32_modules``); return it as a tuple."""
-    valid = isinstance(classes, (tuple, list)) and all(
-        isinstance(c, type) and issubclass(c, nn.Module) for c in classes
-    )
-    if not valid:
-        raise TypeError(
-            f"got classes={classes!r}; allowed: a tuple of torch.nn.Module subclasses. "
-            "HINT: pass classes, not instances, in a tuple, e.g. (torch.nn.LayerNorm,)."
-        )
-    return tuple(classes)  # type: ignore[arg-type]
+    """Validate a sequence of module classes (``fp32_modules``); return it as a tuple.
+
+    Raises:
+        TypeError: not a tuple or list, or an item that is not a ``torch.nn.Module`` subclass; the
+            hint names the first such item (an instance, a name, a class of another kind).
+
+    Example:
+        >>> check_module_classes([torch.nn.LayerNorm])
+        (<class 'torch.nn.modules.normalization.LayerNorm'>,)
+    """
+    if isinstance(classes, (tuple, list)):
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if not bad:
+            return tuple(classes)
+        hint = _class_hint(bad[0])
+    elif isinstance(classes, type) and issubclass(classes, nn.Module):
+        hint = f"wrap the class in a tuple: ({classes.__name__},)."
+    else:
+        hint = "pass a tuple (or list), e.g. (torch.nn.LayerNorm,)."
+    raise TypeError(f"got classes={classes!r}; allowed: a tuple of torch.nn.Module subclasses. HINT: {hint}")
+
+
+def _class_hint(item: object) -> str:
+    if isinstance(item, nn.Module):
+        return f"{item!r} is an instance; pass its class, {type(item).__name__}."
+    if isinstance(item, type):
+        return f"{item.__name__} is not a torch.nn.Module subclass; pass module classes only."
+    return f"{item!r} is not a class; pass the class itself, e.g. torch.nn.LayerNorm."
 
 
 def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modules:
@@ -364,7 +401,5 @@ def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modu
         >>> hooks.remove()
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"force_fp32 got model={model!r}; a torch.nn.Module is allowed. HINT: pass the model."
-        )
+        fail("force_fp32", f"model={model!r:.80}", "a torch.nn.Module", "pass the model.", TypeError)
     return Fp32Modules(model, check_module_classes(classes))

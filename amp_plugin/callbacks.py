@@ -12,7 +12,6 @@ fast clipping path. Forensics and tracing run only when asked for or when a step
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from pathlib import Path
@@ -31,8 +30,9 @@ from amp_plugin.health import (
     HealthVerdict,
     ScaleRecord,
     SkipHealth,
-    check_option,
+    check_monitor_state,
     plot_history,
+    validate_monitor_options,
     validate_policy,
 )
 from amp_plugin.plugin import AMPPrecision
@@ -84,7 +84,7 @@ class LossScaleMonitor(Callback):
         plot_path: str | os.PathLike[str] | None = None,
     ) -> None:
         validate_policy("LossScaleMonitor", warmup_steps, window, max_consecutive_skips, max_skip_rate)
-        _validate_options(on_pathological, trace_nonfinite, plot_path)
+        validate_monitor_options(on_pathological, trace_nonfinite, plot_path)
         self._health = SkipHealth(warmup_steps, window, max_consecutive_skips, max_skip_rate)
         self.on_pathological = on_pathological
         self.trace_nonfinite = trace_nonfinite
@@ -250,14 +250,10 @@ class LossScaleMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict) or not {"health", "records"} <= state_dict.keys():
-            raise ValueError(
-                f"LossScaleMonitor.load_state_dict got {state_dict!r:.80}; expected the dict from "
-                "LossScaleMonitor.state_dict() with 'health' and 'records'. HINT: the checkpoint's entry for "
-                "this callback is from another callback or corrupt; resume without it or fix the entry."
-            )
-        self._health.load_state_dict(state_dict["health"])
-        self._records = [ScaleRecord(*r) for r in state_dict["records"]]
+        """Continue from :meth:`state_dict`; every entry is checked before anything changes."""
+        health, records = check_monitor_state(state_dict)
+        self._health.load_state_dict(health)  # checked already: cannot fail half-way
+        self._records = records
         self._restored = True
 
     # -- internals ----------------------------------------------------------------------------
@@ -382,25 +378,3 @@ def _clipping(trainer: Trainer) -> tuple[GradClipAlgorithmType, float] | None:
 
 def _is_pathological(verdict: HealthVerdict | None) -> bool:
     return verdict is not None and verdict.state == "pathological"
-
-
-def _validate_options(on_pathological: object, trace_nonfinite: object, plot_path: object) -> None:
-    check_option(
-        on_pathological in ("warn", "raise"),
-        f"on_pathological={on_pathological!r}",
-        "'warn' or 'raise'",
-        "'raise' stops training with the history in the error.",
-    )
-    check_option(
-        isinstance(trace_nonfinite, bool),
-        f"trace_nonfinite={trace_nonfinite!r}",
-        "True or False",
-        "True hooks every submodule while training (slow; for debugging).",
-    )
-    check_option(plot_path is None or isinstance(plot_path, (str, os.PathLike)), f"plot_path={plot_path!r}",
-           "None or a file path", "pass e.g. 'loss_scale.png'.")  # fmt: skip
-    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
-        raise ImportError(
-            f"LossScaleMonitor(plot_path={str(plot_path)!r}) needs matplotlib, which is not installed. "
-            "HINT: pip install 'amp_plugin[examples]' (or pip install matplotlib), or drop plot_path."
-        )

@@ -28,6 +28,7 @@ from amp_plugin._audit import AuditReport, Finding, audit_model
 from amp_plugin._device_report import device_report, format_device_report
 from amp_plugin._optimizer_check import check_optimizer_setup
 from amp_plugin._tracer import NonFiniteRecord, NonFiniteTracer, dtype_name, nonfinite_kind
+from amp_plugin._validation import check_int, fail
 
 __all__ = [
     "AuditReport",
@@ -70,7 +71,9 @@ def nonfinite_gradients(
         limit: report at most this many parameters.
 
     Raises:
-        ValueError: ``limit`` is not a positive integer.
+        TypeError: ``named_parameters`` is not a module or ``(name, tensor)`` pairs (plain
+            ``model.parameters()`` included), or ``limit`` is not an int.
+        ValueError: ``limit`` is below 1.
 
     Example:
         >>> model = nn.Linear(2, 2)
@@ -79,15 +82,11 @@ def nonfinite_gradients(
         >>> [str(g) for g in nonfinite_gradients(model)]
         ['bias (nan in 1 of 2 values, float32)']
     """
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(
-            f"limit={limit!r}; allowed: an int >= 1. HINT: pass limit=5 to name five parameters."
-        )
-    if isinstance(named_parameters, nn.Module):
-        named_parameters = named_parameters.named_parameters()
+    check_int("nonfinite_gradients", "limit", limit, low=1, hint="pass limit=5 to name five parameters.")
+    pairs = _named_pairs(named_parameters)
     named = [
         (n, p.grad.coalesce().values() if p.grad.is_sparse else p.grad)
-        for n, p in named_parameters
+        for n, p in pairs
         if p.grad is not None
     ]
     found: list[NonFiniteGradient] = []
@@ -103,6 +102,27 @@ def nonfinite_gradients(
         if len(found) == limit:
             break
     return found
+
+
+def _named_pairs(named_parameters: object) -> list[tuple[str, Tensor]]:
+    if isinstance(named_parameters, nn.Module):
+        return list(named_parameters.named_parameters())
+    allowed, hint = (
+        "a module or (name, parameter) pairs",
+        "pass model.named_parameters() or the model itself.",
+    )
+    shown = f"{named_parameters!r:.60}" if isinstance(named_parameters, (str, int, float)) else "..."
+    if isinstance(named_parameters, (str, bytes)) or not isinstance(named_parameters, Iterable):
+        fail("nonfinite_gradients", f"named_parameters={shown}", allowed, hint, TypeError)
+    pairs = list(named_parameters)
+    for item in pairs:  # plain parameters would unpack into rows and silently report nothing
+        ok = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+        if not (ok and isinstance(item[1], Tensor)):
+            got = f"{type(item).__name__} {item!r:.60}" if not isinstance(item, Tensor) else "a bare tensor"
+            fail(
+                "nonfinite_gradients", f"named_parameters={shown}", allowed + f"; got {got}", hint, TypeError
+            )
+    return pairs
 
 
 def _suspects(grads: list[Tensor]) -> list[int]:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from amp_plugin._validation import check_choice, check_int, fail
 from amp_plugin.kernels import Kernels
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ __all__ = [
     "SyncMode",
     "all_reduce_found_inf",
     "check_consistency",
+    "check_process_group",
     "check_sync_mode",
     "global_norm",
     "sync_enabled",
@@ -55,18 +57,53 @@ _REAL_FIELDS = frozenset({"scale", "parameter sum", "parameter sum of squares"})
 _STATE_KEYS = ("scale", "_growth_tracker", "_hysteresis_tracker", "skipped_steps", "total_steps")
 
 
-def check_sync_mode(mode: object) -> SyncMode:
-    """Validate ``sync_found_inf``; raise ``ValueError`` naming the allowed values."""
-    if mode not in ("auto", True, False) or (mode != "auto" and not isinstance(mode, bool)):
-        raise ValueError(
-            f"sync_found_inf={mode!r} is not allowed; use 'auto', True or False. HINT: 'auto' "
-            "all-reduces the inf flag whenever torch.distributed runs with more than one process."
+def check_sync_mode(mode: object, call: str = "LossScaler") -> SyncMode:
+    """Validate ``sync_found_inf``: ``"auto"``, ``True`` or ``False``; else ``ValueError`` naming ``call``."""
+    hint = "'auto' all-reduces the inf flag whenever torch.distributed runs with more than one process."
+    return check_choice(call, "sync_found_inf", mode, ("auto", True, False), hint)  # type: ignore[no-any-return]
+
+
+def check_process_group(group: object, call: str) -> Any:
+    """``group`` if it is ``None`` (the default group) or a ``torch.distributed.ProcessGroup``.
+
+    ``call`` names the entry point in the message, which shows the argument as ``process_group=``.
+
+    Raises:
+        TypeError: anything else, such as the string ``"world"`` or a list of ranks.
+
+    Example:
+        >>> check_process_group(None, "LossScaler") is None
+        True
+    """
+    return _check_group(group, call, "process_group")
+
+
+def _check_group(group: object, call: str, name: str = "group") -> Any:
+    process_group = getattr(dist, "ProcessGroup", None)  # absent from torch builds without distributed
+    if group is not None and (process_group is None or not isinstance(group, process_group)):
+        shown = repr(group) if isinstance(group, (str, int, float, list, tuple)) else type(group).__name__
+        fail(call, f"{name}={shown:.80}", "None or a torch.distributed.ProcessGroup",
+             "pass None for the default (world) group, or a group from torch.distributed.new_group(ranks).",
+             TypeError)  # fmt: skip
+    return group
+
+
+def _check_flag(call: str, name: str, value: object) -> None:
+    """A one-element floating-point tensor (an inf flag or a norm); NaN and inf values are fine."""
+    if not isinstance(value, Tensor):
+        fail(call, f"{name}={type(value).__name__}", "a one-element floating-point tensor",
+             "pass the tensor itself, not a Python number.", TypeError)  # fmt: skip
+    if value.numel() != 1 or not value.is_floating_point():
+        got = f"{name}=tensor of shape {tuple(value.shape)} and {value.dtype}"
+        fail(
+            call, got, "a one-element floating-point tensor", "pass the 0-dim fp32 tensor the kernels return."
         )
-    return mode
 
 
 def sync_enabled(mode: SyncMode, group: Any = None) -> bool:
     """Whether the inf flag must be all-reduced across ``group`` under ``mode``."""
+    check_choice("sync_enabled", "mode", mode, ("auto", True, False), "pass LossScaler's sync_found_inf.")
+    _check_group(group, "sync_enabled")
     if mode is False:
         return False
     ready = dist.is_available() and dist.is_initialized()
@@ -84,6 +121,8 @@ def all_reduce_found_inf(found_inf: Tensor, group: Any = None) -> Tensor:
     One collective of one fp32 element. NCCL reduces only CUDA tensors, so a flag held
     elsewhere travels through the backend's device and back.
     """
+    _check_flag("all_reduce_found_inf", "found_inf", found_inf)
+    _check_group(group, "all_reduce_found_inf")
     _all_reduce_(found_inf, dist.ReduceOp.MAX, group)
     return found_inf
 
@@ -112,6 +151,12 @@ def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -
         >>> global_norm(torch.tensor(5.0), 2.0)  # one process: the local norm is global
         tensor(5.)
     """
+    _check_flag("global_norm", "local_norm", local_norm)
+    if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or math.isnan(norm_type):
+        fail("global_norm", f"norm_type={norm_type!r}", "a number, inf or -inf included",
+             "pass the norm_type given to clip_grad_norm_, e.g. 2.0.",
+             ValueError if isinstance(norm_type, float) else TypeError)  # fmt: skip
+    _check_group(group, "global_norm")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return local_norm.detach().float().clone()
     p = float(norm_type)
@@ -145,8 +190,14 @@ class GlobalNormKernels:
     """
 
     def __init__(self, kernels: Kernels, group: Any = None) -> None:
+        if not all(callable(getattr(kernels, op, None)) for op in ("unscale_", "norm", "mul_")):
+            allowed, hint = (
+                "a kernel backend (unscale_, norm and mul_)",
+                "pass amp_plugin.get_kernels('auto').",
+            )
+            fail("GlobalNormKernels", f"kernels={kernels!r:.80}", allowed, hint, TypeError)
         self.inner = kernels
-        self.group = group
+        self.group = _check_group(group, "GlobalNormKernels")
         self.name = f"{kernels.name}+global-norm"
 
     def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
@@ -196,6 +247,7 @@ def check_consistency(
         >>> check_consistency(LossScaler(), model)  # one process: nothing to compare
     """
     state, params = _validated_check_args(scaler, parameters)
+    _check_group(group, "check_consistency")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     local = _local_summary(state, params)
@@ -241,18 +293,17 @@ class ConsistencyCheck:
     """
 
     def __init__(self, every_n_steps: int, *, group: Any = None) -> None:
-        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
-            raise ValueError(
-                f"ConsistencyCheck(every_n_steps={every_n_steps!r}) is not allowed: an int >= 1. "
-                "HINT: the check costs one all-gather and a read of the parameters; 100-1000 is usual."
-            )
-        self.every_n_steps = every_n_steps
-        self.group = group
+        hint = "the check costs one all-gather and a read of the parameters; 100-1000 is usual."
+        self.every_n_steps = check_int("ConsistencyCheck", "every_n_steps", every_n_steps, low=1, hint=hint)
+        self.group = _check_group(group, "ConsistencyCheck")
 
     def __call__(
         self, step: int, scaler: LossScaler | None, parameters: nn.Module | Iterable[Tensor] | None = None
     ) -> bool:
         """Check when ``step`` is a multiple of ``every_n_steps``; return whether it was due."""
+        check_int(
+            "ConsistencyCheck.__call__", "step", step, low=0, hint="pass the loop's step, e.g. global_step."
+        )
         if step % self.every_n_steps:
             return False
         check_consistency(scaler, parameters, group=self.group)

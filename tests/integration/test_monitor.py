@@ -289,19 +289,24 @@ def test_needs_amp_precision() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"warmup_steps": -1}, r"warmup_steps=-1\) is not allowed: an int >= 0"),
-        ({"window": 0}, r"window=0\) is not allowed: an int >= 1"),
-        ({"max_consecutive_skips": True}, r"max_consecutive_skips=True\) is not allowed"),
-        ({"max_skip_rate": 1.5}, r"max_skip_rate=1.5\) is not allowed: a number in \(0, 1\]"),
-        ({"on_pathological": "stop"}, r"on_pathological='stop'\) is not allowed: 'warn' or 'raise'"),
-        ({"trace_nonfinite": 1}, r"trace_nonfinite=1\) is not allowed"),
-        ({"plot_path": 3}, r"plot_path=3\) is not allowed"),
+        ({"warmup_steps": -1}, ValueError, r"warmup_steps=-1\) is not allowed: an int >= 0"),
+        ({"warmup_steps": "10"}, TypeError, r"warmup_steps='10'\) is not allowed: an int >= 0"),
+        ({"window": 0}, ValueError, r"window=0\) is not allowed: an int >= 1"),
+        ({"max_consecutive_skips": True}, TypeError, r"max_consecutive_skips=True\) is not allowed: an int"),
+        ({"max_skip_rate": 1.5}, ValueError, r"max_skip_rate=1.5\) is not allowed: a finite number > 0 and"),
+        ({"max_skip_rate": float("nan")}, ValueError, r"max_skip_rate=nan\) is not allowed: a finite number"),
+        ({"on_pathological": "stop"}, ValueError, r"on_pathological='stop'\) is not allowed: one of 'warn', "
+         r"'raise'"),
+        ({"on_pathological": None}, ValueError, r"on_pathological=None\) is not allowed: one of 'warn'"),
+        ({"trace_nonfinite": 1}, TypeError, r"trace_nonfinite=1\) is not allowed: a bool"),
+        ({"trace_nonfinite": "False"}, TypeError, r"trace_nonfinite='False'\) is not allowed: a bool"),
+        ({"plot_path": 3}, TypeError, r"plot_path=3\) is not allowed: None or a file path"),
     ],
-)
-def test_bad_arguments_raise(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=r"^LossScaleMonitor\(" + match + ".*HINT"):
+)  # fmt: skip
+def test_bad_arguments_raise(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=r"^LossScaleMonitor\(" + match + ".*HINT"):
         LossScaleMonitor(**kwargs)
 
 

@@ -19,6 +19,8 @@ from amp_plugin.autocast import (
     DeviceAutocast,
     auto_precision_reason,
     autocast_state,
+    check_device,
+    check_module_classes,
     find_data_parallel,
     force_fp32,
     propagate_autocast,
@@ -111,12 +113,70 @@ def test_resolve_precision_rejects_unknown_strings(precision: Any, match: str) -
         resolve_precision(precision, "cpu")
 
 
-@pytest.mark.parametrize("device_type", ["cuda:0", "CPU", "meta", "", "gpu"])
-def test_resolve_precision_rejects_bad_device_types(device_type: str) -> None:
-    with pytest.raises(ValueError, match=rf"not available for device type '{device_type}'.*HINT: .*'cuda'"):
-        resolve_precision("bf16-mixed", device_type)
-    with pytest.raises(ValueError, match="not available for device type"):
-        auto_precision_reason(device_type)
+# ---------------------------------------------------------------- device types
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("cpu", "cpu"),
+        ("cuda", "cuda"),
+        ("cuda:0", "cuda"),  # an index is harmless where a device type is wanted
+        (torch.device("cuda", 1), "cuda"),
+        (torch.device("cpu"), "cpu"),
+        ("mps", "mps"),
+    ],
+)
+def test_check_device_returns_the_device_type(device: object, expected: str) -> None:
+    assert check_device(device, "AMPPrecision") == expected
+
+
+BAD_DEVICES: list[tuple[object, type[Exception], str]] = [
+    ("gpu", ValueError, r"'gpu' is Lightning's accelerator name; the device type is 'cuda'"),
+    ("tpu", ValueError, r"'tpu' is Lightning's accelerator name; the device type is 'xla'"),
+    ("auto", ValueError, r"HINT: 'auto' is Lightning's accelerator choice, not a device type"),
+    ("", ValueError, r"=''\) is not allowed.*HINT: pass a device type such as 'cuda' or 'cpu'"),
+    ("CUDA", ValueError, r"HINT: device types are lowercase: 'cuda'"),
+    (
+        "cuda:x",
+        ValueError,
+        r"='cuda:x'\) is not allowed: a device type with autocast: .*"
+        r"HINT: write the device type alone, e\.g\. 'cuda'",
+    ),
+    ("meta", ValueError, r"not available for device type 'meta'.*HINT: pass a device type"),
+    (torch.device("meta"), ValueError, r"not available for device type 'meta'"),
+    (0, TypeError, r"=0\) is not allowed: a str or torch\.device.*HINT: 0 looks like a CUDA index"),
+    (None, TypeError, r"=None\) is not allowed: a str or torch\.device.*HINT: pass a device type"),
+    (["cuda"], TypeError, r"=\['cuda'\]\) is not allowed.*HINT"),
+]
+
+
+@pytest.mark.parametrize(("device", "error", "match"), BAD_DEVICES)
+def test_check_device_rejects_what_is_not_a_device_type(
+    device: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=r"^AMPPrecision\(device.*" + match) as info:
+        check_device(device, "AMPPrecision")
+    assert "'cpu', 'cuda'" in str(info.value)  # the allowed types are listed
+
+
+@pytest.mark.parametrize(("device", "error", "match"), BAD_DEVICES)
+def test_every_device_type_argument_uses_check_device(
+    device: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=r"^resolve_precision\(device_type.*" + match):
+        resolve_precision("bf16-mixed", device)  # type: ignore[arg-type]
+    with pytest.raises(error, match=r"^auto_precision_reason\(device_type.*" + match):
+        auto_precision_reason(device)  # type: ignore[arg-type]
+    with pytest.raises(error, match=r"^AutocastState\.device\(device_type.*" + match):
+        autocast_state().device(device)  # type: ignore[arg-type]
+
+
+def test_device_objects_and_indices_are_accepted_where_a_device_type_is_wanted() -> None:
+    assert resolve_precision("16-mixed", torch.device("cpu")) == torch.float16
+    assert resolve_precision("bf16-mixed", "cpu:0") == torch.bfloat16
+    assert auto_precision_reason(torch.device("cpu")) == auto_precision_reason("cpu")
+    assert autocast_state().device(torch.device("cpu")).device_type == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -192,7 +252,7 @@ def test_autocast_state_captures_every_device_and_the_cache_flag() -> None:
     assert inside.device("cpu").dtype == torch.float16
     assert not inside.cache_enabled
     assert inside.disabled().device("cpu") == DeviceAutocast("cpu", False, torch.float16)
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match=r"not available for device type 'meta'"):
         inside.device("meta")
 
 
@@ -264,6 +324,19 @@ def test_propagate_autocast_keeps_the_wrapped_metadata() -> None:
     assert isinstance(autocast_state(), AutocastState)
 
 
+@pytest.mark.parametrize(
+    ("fn", "match"),
+    [
+        (None, r"fn=None\) is not allowed: a callable.*HINT: pass the function itself"),
+        ("torch.mm", r"fn='torch\.mm'\) is not allowed: a callable"),
+        (torch.ones(1), r"fn=Tensor\) is not allowed: a callable"),
+    ],
+)
+def test_propagate_autocast_refuses_a_non_callable_when_wrapping(fn: Any, match: str) -> None:
+    with pytest.raises(TypeError, match=r"^propagate_autocast\(" + match):
+        propagate_autocast(fn)
+
+
 # ---------------------------------------------------------------- DataParallel
 
 
@@ -288,6 +361,14 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(accelerator, "current_accelerator", lambda check_available=False: torch.device("cpu"))
     monkeypatch.setattr(accelerator, "current_stream", lambda device=None: contextlib.nullcontext())
     monkeypatch.setattr(accelerator, "device_index", lambda device: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("module", ["model", None, Recorder])
+def test_autocast_data_parallel_refuses_what_is_not_a_module_when_built(module: Any) -> None:
+    # Without GPUs nn.DataParallel keeps anything and fails only at the first forward.
+    match = r"^AutocastDataParallel\(module=.*\) is not allowed: a torch\.nn\.Module instance\. HINT"
+    with pytest.raises(TypeError, match=match):
+        AutocastDataParallel(module)
 
 
 def two_replicas() -> tuple[list[Recorder], list[tuple[torch.Tensor]]]:
@@ -336,6 +417,8 @@ def test_find_data_parallel_names_plain_data_parallel_only() -> None:
     assert find_data_parallel(model) == ["0.1"]
     assert find_data_parallel(nn.DataParallel(nn.Linear(2, 2))) == [""]
     assert find_data_parallel(AutocastDataParallel(nn.Linear(2, 2))) == []
+    with pytest.raises(TypeError, match=r"^find_data_parallel\(module=list\) is not allowed.*HINT"):
+        find_data_parallel([nn.DataParallel(nn.Linear(2, 2))])  # type: ignore[arg-type]
 
 
 @pytest.mark.cuda
@@ -501,12 +584,31 @@ def test_no_matching_module_adds_no_hooks() -> None:
 @pytest.mark.parametrize(
     ("model", "classes", "match"),
     [
-        ("model", (Norm,), r"model='model'; a torch\.nn\.Module is allowed\. HINT: "),
-        (nn.Linear(2, 2), nn.LayerNorm, r"classes=<class .*LayerNorm'>; allowed: a tuple .*HINT: "),
-        (nn.Linear(2, 2), (nn.LayerNorm(2),), r"allowed: a tuple of torch\.nn\.Module subclasses\. HINT: "),
+        ("model", (Norm,), r"^force_fp32\(model='model'\) is not allowed: a torch\.nn\.Module\. HINT: "),
         (nn.Linear(2, 2), (int,), r"classes=\(<class 'int'>,\)"),
     ],
 )
 def test_force_fp32_rejects_bad_arguments(model: Any, classes: Any, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         force_fp32(model, classes)
+
+
+@pytest.mark.parametrize(
+    ("classes", "match"),
+    [
+        (nn.LayerNorm, r"classes=<class .*LayerNorm'>; allowed: a tuple .*HINT: wrap the class in a tuple: "
+         r"\(LayerNorm,\)"),
+        ((nn.LayerNorm(2),), r"allowed: a tuple of torch\.nn\.Module subclasses\. HINT: LayerNorm\(.*\) is "
+         r"an instance; pass its class, LayerNorm"),
+        ((nn.LayerNorm, int), r"HINT: int is not a torch\.nn\.Module subclass"),
+        ((nn.Linear, "LayerNorm"), r"HINT: 'LayerNorm' is not a class; pass the class itself"),
+        ({nn.LayerNorm}, r"HINT: pass a tuple \(or list\), e\.g\. \(torch\.nn\.LayerNorm,\)"),
+    ],
+)  # fmt: skip
+def test_module_classes_errors_say_what_is_wrong_and_add_no_hooks(classes: Any, match: str) -> None:
+    model, _ = model_with_norm()
+    with pytest.raises(TypeError, match=match):
+        check_module_classes(classes)
+    with pytest.raises(TypeError, match=match):
+        force_fp32(model, classes)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

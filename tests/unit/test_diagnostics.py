@@ -279,10 +279,38 @@ def test_nonfinite_gradients_kinds_order_limit_and_missing_grads() -> None:
     assert nonfinite_gradients(model) == []
 
 
-@pytest.mark.parametrize("limit", [0, -1, 2.5, True])
-def test_nonfinite_gradients_rejects_a_bad_limit(limit: Any) -> None:
-    with pytest.raises(ValueError, match=r"limit=.*allowed: an int >= 1.*HINT"):
+@pytest.mark.parametrize(
+    ("limit", "error", "match"),
+    [
+        (0, ValueError, r"limit=0\) is not allowed: an int >= 1"),
+        (-1, ValueError, r"limit=-1\) is not allowed: an int >= 1"),
+        (2.5, TypeError, r"limit=2.5\) is not allowed: an int >= 1"),
+        (True, TypeError, r"limit=True\) is not allowed: an int >= 1"),
+        ("5", TypeError, r"limit='5'\) is not allowed: an int >= 1"),
+    ],
+)
+def test_nonfinite_gradients_rejects_a_bad_limit(limit: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=r"^nonfinite_gradients\(" + match + r"\. HINT: pass limit=5"):
         nonfinite_gradients(nn.Linear(2, 2), limit=limit)
+
+
+@pytest.mark.parametrize(
+    ("named", "match"),
+    [
+        (lambda m: m.parameters(), r"named_parameters=.*\(name, parameter\) pairs.*"
+         r"HINT: pass model\.named_parameters"),
+        (lambda m: "weight", r"named_parameters='weight'\) is not allowed"),
+        (lambda m: [("weight", 1.0)], r"named_parameters=\.\.\.\) is not allowed: .*pairs; "
+         r"got tuple \('weight', 1\.0\)"),
+        (lambda m: 3, r"named_parameters=3\) is not allowed"),
+    ],
+)  # fmt: skip
+def test_nonfinite_gradients_refuses_what_is_not_named_parameters(named: Any, match: str) -> None:
+    model = nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    model.bias.grad[0] = float("nan")  # unnamed parameters would silently report nothing
+    with pytest.raises(TypeError, match=r"^nonfinite_gradients\(" + match):
+        nonfinite_gradients(named(model))
 
 
 # --------------------------------------------------------------------------- check_optimizer_setup
@@ -357,16 +385,22 @@ def test_a_clean_setup_has_no_findings_and_wrappers_are_unwrapped() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"model": [1]}, TypeError, r"model=list.*HINT"),
-        ({"device_type": "cuda:0"}, ValueError, r"device_type='cuda:0'.*HINT: .*device.type"),
-        (
-            {"dtype": torch.float32},
-            ValueError,
-            r"dtype=torch.float32.*allowed: torch.float16 or torch.bfloat16",
-        ),
-        ({"optimizers": [object()]}, TypeError, r"Expected a torch.optim.Optimizer.*HINT"),
+        ({"model": [1]}, TypeError, r"model=list\) is not allowed: a torch\.nn\.Module.*HINT"),
+        ({"device_type": "gpu"}, ValueError, r"device_type='gpu'.*HINT: 'gpu' is Lightning's accelerator"),
+        ({"device_type": ""}, ValueError, r"device_type=''\) is not allowed.*HINT"),
+        ({"device_type": None}, TypeError, r"device_type=None\) is not allowed: a str or torch\.device"),
+        ({"device_type": "meta"}, ValueError, r"device_type='meta'\) is not allowed: autocast is not"),
+        ({"dtype": torch.float32}, ValueError, r"dtype=torch.float32\) is not allowed: torch.float16 or "
+         r"torch.bfloat16.*HINT"),
+        ({"dtype": "fp16"}, TypeError, r"dtype='fp16'\) is not allowed: torch.float16 or torch.bfloat16.*"
+         r"HINT: pass the torch.dtype, e.g. torch.float16"),
+        ({"dtype": None}, TypeError, r"dtype=None\) is not allowed"),
+        ({"master_weights": "False"}, TypeError, r"master_weights='False'\) is not allowed: a bool"),
+        ({"grad_scaling": "yes"}, TypeError, r"grad_scaling='yes'\) is not allowed: None or a bool"),
+        ({"grad_scaling": 1}, TypeError, r"grad_scaling=1\) is not allowed: None or a bool"),
+        ({"optimizers": [object()]}, TypeError, r" a torch\.optim\.Optimizer.*got object.*HINT"),
     ],
-)
+)  # fmt: skip
 def test_check_optimizer_setup_rejects_bad_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
     model = nn.Linear(2, 2)
     args: dict[str, Any] = {
@@ -376,8 +410,17 @@ def test_check_optimizer_setup_rejects_bad_arguments(kwargs: dict[str, Any], err
         "dtype": torch.float16,
         **kwargs,
     }
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=r"^(check_optimizer_setup\(|Expected)" + match):
         check_optimizer_setup(args.pop("model"), args.pop("optimizers"), **args)
+
+
+@pytest.mark.parametrize("device", ["cuda:0", torch.device("cpu"), torch.device("cuda", 1)])
+def test_check_optimizer_setup_takes_the_type_of_a_device(device: Any) -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    findings = check_optimizer_setup(model, opt, device_type=device, dtype=torch.bfloat16)
+    on_cpu = torch.device(device).type == "cpu"
+    assert _codes(findings) == ([] if on_cpu else [("warning", "device-not-autocast")])
 
 
 # --------------------------------------------------------------------------- audit_model
@@ -519,7 +562,39 @@ def test_format_device_report_names_the_recommendation() -> None:
     assert "apex amp_C" in text
 
 
-@pytest.mark.parametrize("budget", [0, -1.0, "1", True])
-def test_device_report_rejects_a_bad_budget(budget: Any) -> None:
-    with pytest.raises(ValueError, match=r"budget_s=.*allowed: a number > 0.*HINT"):
-        device_report(budget_s=budget)
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"budget_s": 0}, ValueError, r"budget_s=0\) is not allowed: a finite number > 0"),
+        ({"budget_s": -1.0}, ValueError, r"budget_s=-1.0\) is not allowed: a finite number > 0"),
+        ({"budget_s": float("nan")}, ValueError, r"budget_s=nan\) is not allowed: a finite number > 0"),
+        ({"budget_s": float("inf")}, ValueError, r"budget_s=inf\) is not allowed: a finite number > 0"),
+        ({"budget_s": "1"}, TypeError, r"budget_s='1'\) is not allowed: a finite number > 0"),
+        ({"budget_s": True}, TypeError, r"budget_s=True\) is not allowed: a finite number > 0"),
+        ({"measure": "no"}, TypeError, r"measure='no'\) is not allowed: a bool"),
+        ({"measure": 0}, TypeError, r"measure=0\) is not allowed: a bool"),
+    ],
+)
+def test_device_report_rejects_bad_arguments(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=r"^device_report\(" + match + r".*HINT"):
+        device_report(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("report", "match"), [("report", r"report=str"), ({"cpu": {}}, r"report=dict.*keys")]
+)
+def test_format_device_report_refuses_what_device_report_did_not_make(report: Any, match: str) -> None:
+    with pytest.raises(
+        TypeError, match=r"^format_device_report\(" + match + r".*HINT: pass device_report\(\)"
+    ):
+        format_device_report(report)
+
+
+@pytest.mark.parametrize(
+    ("width", "error"), [(0, ValueError), (19, ValueError), ("100", TypeError), (True, TypeError)]
+)
+def test_audit_report_format_rejects_a_bad_width(width: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=rf"^AuditReport.format\(width={width!r}\) is not allowed: an int >= 20"):
+        audit_model(nn.Linear(3, 8)).format(width)

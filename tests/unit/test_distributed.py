@@ -30,7 +30,9 @@ from amp_plugin import LossScaler
 from amp_plugin.distributed import (
     ConsistencyCheck,
     GlobalNormKernels,
+    all_reduce_found_inf,
     check_consistency,
+    check_process_group,
     check_sync_mode,
     global_norm,
     sync_enabled,
@@ -378,12 +380,44 @@ def test_sync_true_without_a_process_group_raises() -> None:
         scaler.step(opt)
 
 
-@pytest.mark.parametrize("mode", ["yes", 1, None])
+@pytest.mark.parametrize("mode", ["yes", 1, None, "True"])
 def test_bad_sync_mode_is_rejected(mode: object) -> None:
-    with pytest.raises(ValueError, match=r"sync_found_inf=.* is not allowed; use 'auto', True or False"):
+    with pytest.raises(
+        ValueError,
+        match=r"^LossScaler\(sync_found_inf=.*\) is not allowed: one of 'auto', True, False\. HINT",
+    ):
         check_sync_mode(mode)
-    with pytest.raises(ValueError, match=r"HINT"):
+    with pytest.raises(ValueError, match=r"sync_found_inf=.*HINT"):
         LossScaler(sync_found_inf=mode)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"^sync_enabled\(mode=.*\) is not allowed: one of 'auto', True, False"
+    ):
+        sync_enabled(mode)  # type: ignore[arg-type]
+
+
+def test_check_process_group_passes_none_and_groups_through() -> None:
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    assert check_process_group(None, "LossScaler") is None
+    assert check_process_group(group, "LossScaler") is group
+
+
+@pytest.mark.parametrize("group", ["world", 0, dist.group, [0, 1]])
+def test_a_group_that_is_not_a_process_group_is_refused_by_every_entry_point(group: object) -> None:
+    allowed = r"\) is not allowed: None or a torch\.distributed\.ProcessGroup\. HINT: "
+    with pytest.raises(TypeError, match=r"^LossScaler\(process_group=.*" + allowed):
+        check_process_group(group, "LossScaler")
+    model = nn.Linear(2, 1)
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("sync_enabled", lambda: sync_enabled("auto", group)),
+        ("all_reduce_found_inf", lambda: all_reduce_found_inf(torch.zeros(1), group)),
+        ("global_norm", lambda: global_norm(torch.tensor(1.0), 2.0, group)),
+        ("GlobalNormKernels", lambda: GlobalNormKernels(get_kernels("torch"), group)),
+        ("check_consistency", lambda: check_consistency(None, model, group=group)),
+        ("ConsistencyCheck", lambda: ConsistencyCheck(10, group=group)),
+    ]
+    for name, call in calls:
+        with pytest.raises(TypeError, match=rf"^{name}\(group=.*" + allowed):
+            call()
 
 
 @pytest.mark.parametrize(
@@ -392,12 +426,30 @@ def test_bad_sync_mode_is_rejected(mode: object) -> None:
         (lambda: check_consistency(None, None), ValueError, r"nothing to compare.*HINT"),
         (lambda: check_consistency(object(), None), TypeError, r"expected a LossScaler.*got object"),
         (lambda: check_consistency(None, [1.0]), TypeError, r"iterable of tensors.*\['float'\].*HINT"),
-        (lambda: ConsistencyCheck(0), ValueError, r"every_n_steps=0\) is not allowed: an int >= 1"),
-        (lambda: ConsistencyCheck(True), ValueError, r"every_n_steps=True"),  # type: ignore[arg-type]
+        (lambda: ConsistencyCheck(0), ValueError, r"^ConsistencyCheck\(every_n_steps=0\) is not allowed: an"),
+        (lambda: ConsistencyCheck(True), TypeError, r"^ConsistencyCheck\(every_n_steps=True\) is not"),
+        (lambda: ConsistencyCheck("100"), TypeError, r"^ConsistencyCheck\(every_n_steps='100'\) is not"),
+        (lambda: ConsistencyCheck(10)("5", None, nn.Linear(2, 1)), TypeError,
+         r"^ConsistencyCheck\.__call__\(step='5'\) is not allowed: an int >= 0.*HINT"),
+        (lambda: ConsistencyCheck(10)(-10, None, nn.Linear(2, 1)), ValueError, r"step=-10\) is not allowed"),
+        (lambda: global_norm(5.0), TypeError,  # type: ignore[arg-type]
+         r"^global_norm\(local_norm=float\) is not allowed: a one-element floating-point tensor"),
+        (lambda: global_norm(torch.tensor(5.0), "2"), TypeError,  # type: ignore[arg-type]
+         r"^global_norm\(norm_type='2'\) is not allowed: a number, inf or -inf included.*HINT"),
+        (lambda: global_norm(torch.tensor(5.0), float("nan")), ValueError, r"^global_norm\(norm_type=nan\)"),
+        (lambda: all_reduce_found_inf(1.0), TypeError,  # type: ignore[arg-type]
+         r"^all_reduce_found_inf\(found_inf=float\) is not allowed: a one-element floating-point tensor"),
+        (lambda: GlobalNormKernels("torch"), TypeError,  # type: ignore[arg-type]
+         r"^GlobalNormKernels\(kernels='torch'\) is not allowed: a kernel backend.*HINT: .*get_kernels"),
     ],
-)
+)  # fmt: skip
 def test_consistency_check_rejects_bad_arguments(
     call: Callable[[], object], error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
         call()
+
+
+def test_the_norm_types_that_global_norm_takes() -> None:
+    for p in (2.0, 1, 0, math.inf, -math.inf, 3.5):
+        assert torch.equal(global_norm(torch.tensor(5.0), p), torch.tensor(5.0))

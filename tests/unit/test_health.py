@@ -92,18 +92,120 @@ def test_state_dict_round_trip_continues_the_same_way() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"warmup_steps": 1.5}, r"warmup_steps=1.5\) is not allowed: an int >= 0"),
-        ({"window": -3}, r"window=-3\) is not allowed: an int >= 1"),
-        ({"max_consecutive_skips": 0}, r"max_consecutive_skips=0\) is not allowed: an int >= 1"),
-        ({"max_skip_rate": 0}, r"max_skip_rate=0\) is not allowed: a number in \(0, 1\]"),
-        ({"max_skip_rate": False}, r"max_skip_rate=False\) is not allowed"),
+        ({"warmup_steps": 1.5}, TypeError, r"warmup_steps=1.5\) is not allowed: an int >= 0"),
+        ({"warmup_steps": "10"}, TypeError, r"warmup_steps='10'\) is not allowed: an int >= 0"),
+        ({"warmup_steps": -1}, ValueError, r"warmup_steps=-1\) is not allowed: an int >= 0"),
+        ({"window": -3}, ValueError, r"window=-3\) is not allowed: an int >= 1"),
+        ({"window": 0}, ValueError, r"window=0\) is not allowed: an int >= 1"),
+        ({"max_consecutive_skips": 0}, ValueError, r"max_consecutive_skips=0\) is not allowed: an int >= 1"),
+        ({"max_consecutive_skips": True}, TypeError, r"max_consecutive_skips=True\) is not allowed: an int"),
+        ({"max_skip_rate": 0}, ValueError, r"max_skip_rate=0\) is not allowed: a finite number > 0 and <= 1"),
+        ({"max_skip_rate": 1.5}, ValueError, r"max_skip_rate=1.5\) is not allowed: a finite number > 0"),
+        ({"max_skip_rate": float("nan")}, ValueError, r"max_skip_rate=nan\) is not allowed"),
+        ({"max_skip_rate": False}, TypeError, r"max_skip_rate=False\) is not allowed"),
+        ({"max_skip_rate": "0.05"}, TypeError, r"max_skip_rate='0.05'\) is not allowed"),
+        ({"min_scale": 0.0}, ValueError, r"min_scale=0.0\) is not allowed: None or a finite number > 0"),
+        ({"min_scale": "1"}, TypeError, r"min_scale='1'\) is not allowed: None or a finite number > 0"),
     ],
 )
-def test_bad_policy_raises(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=r"^SkipHealth\(" + match + r".*HINT"):
+def test_bad_policy_raises(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=r"^SkipHealth\(" + match + r".*HINT"):
         SkipHealth(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (("False",), TypeError, r"skipped='False'\) is not allowed: a bool"),
+        ((1,), TypeError, r"skipped=1\) is not allowed: a bool"),
+        ((True, "512"), TypeError, r"scale='512'\) is not allowed: None or a finite number >= 0"),
+        ((True, float("nan")), ValueError, r"scale=nan\) is not allowed: None or a finite number >= 0"),
+        ((True, -2.0), ValueError, r"scale=-2.0\) is not allowed"),
+    ],
+)
+def test_observe_refuses_bad_input_and_counts_nothing(
+    args: tuple[Any, ...], error: type[Exception], match: str
+) -> None:
+    health = _health()
+    _run(health, "x..")
+    before = health.state_dict()
+    with pytest.raises(error, match=r"^SkipHealth\.observe\(" + match + r".*HINT"):
+        health.observe(*args)
+    assert health.state_dict() == before
+
+
+def test_a_scale_that_backed_off_to_zero_is_observed_not_refused() -> None:
+    # fp32 halving underflows to 0 after ~150 overflows in a row: a run to report, not to crash on.
+    health = _health()
+    verdict = health.observe(True, 0.0)
+    assert verdict is not None and verdict.state == "pathological" and "the scale fell to 0" in verdict.reason
+    resumed = _health()
+    resumed.load_state_dict(health.state_dict())
+    assert resumed.scale == 0.0 and resumed.state == "pathological"
+
+
+def _saved() -> dict[str, Any]:
+    health = _health()
+    _run(health, "x......x", scales={8: 512.0})
+    return health.state_dict()  # 8 steps, 2 skipped (1 in warm-up), the last one skipped
+
+
+BAD_HEALTH_STATES: list[tuple[dict[str, Any], str]] = [
+    ({"state": "ok"}, r"state='ok'\) is not allowed: one of 'clean', 'warm-up', 'sporadic', 'pathological'"),
+    ({"steps": "8"}, r"steps='8'\) is not allowed: an int >= 0"),
+    ({"steps": -1}, r"steps=-1\) is not allowed: an int >= 0"),
+    ({"skipped": 9}, r"skipped=9\) is not allowed: an int from 0 to steps=8"),
+    ({"steps": 0, "flags": []}, r"skipped=2\) is not allowed: an int from 0 to steps=0"),
+    ({"skipped": 1.0}, r"skipped=1.0\) is not allowed: an int from 0 to steps=8"),
+    ({"warmup_skipped": 3}, r"warmup_skipped=3\) is not allowed: an int from 0 to skipped=2"),
+    ({"consecutive": 3}, r"consecutive=3\) is not allowed: an int from 0 to skipped=2"),
+    ({"consecutive": 0}, r"consecutive=0\) is not allowed: the number of skipped steps that end flags \(1\)"),
+    ({"scale": "512"}, r"scale='512'\) is not allowed: None or a finite number >= 0"),
+    ({"scale": -1.0}, r"scale=-1.0\) is not allowed: None or a finite number >= 0"),
+    ({"scale": float("nan")}, r"scale=nan\) is not allowed"),
+    ({"flags": "x......x"}, r"flags='x......x'\) is not allowed: a list of bools"),
+    ({"flags": [1, 0]}, r"flags=\[1, 0\]\) is not allowed: a list of bools"),
+    ({"flags": [False] * 9}, r"flags=.*\) is not allowed: a list of bools, at most steps=8 long"),
+    ({"flags": [True, True, True]}, r"flags=.*\) is not allowed: .*with at most skipped=2 True"),
+]
+
+
+@pytest.mark.parametrize(("change", "match"), BAD_HEALTH_STATES)
+def test_health_load_state_dict_checks_everything_before_changing_anything(
+    change: dict[str, Any], match: str
+) -> None:
+    health = _health()
+    _run(health, "x.")
+    before = health.state_dict()
+    with pytest.raises(ValueError, match=r"^SkipHealth\.load_state_dict\(" + match + r".*HINT"):
+        health.load_state_dict({**_saved(), **change})
+    assert health.state_dict() == before
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        (
+            [("steps", 1)],
+            TypeError,
+            r"state_dict=list\) is not allowed: the dict from SkipHealth\.state_dict",
+        ),
+        (
+            {"steps": 1},
+            ValueError,
+            r"state_dict with keys \['steps'\]\) is not allowed: .*missing .*'consecutive'",
+        ),
+    ],
+)
+def test_health_load_state_dict_refuses_a_foreign_state(
+    state: Any, error: type[Exception], match: str
+) -> None:
+    health = _health()
+    with pytest.raises(error, match=r"^SkipHealth\.load_state_dict\(" + match + r".*HINT"):
+        health.load_state_dict(state)
+    assert health.steps == 0 and health.state == "clean"
 
 
 def test_monitor_state_dict_round_trip_uses_plain_values() -> None:
@@ -121,9 +223,53 @@ def test_monitor_state_dict_round_trip_uses_plain_values() -> None:
     )
 
 
-def test_monitor_refuses_a_foreign_state() -> None:
-    with pytest.raises(ValueError, match=r"expected the dict from LossScaleMonitor.state_dict\(\).*HINT"):
-        LossScaleMonitor().load_state_dict({"lrs": [0.1]})
+def _monitor() -> LossScaleMonitor:
+    monitor = LossScaleMonitor(window=4)
+    monitor._health.observe(True, 512.0)
+    monitor._records.append(ScaleRecord(1, 512.0, 1, 2.5, True))
+    return monitor
+
+
+def _monitor_state() -> dict[str, Any]:
+    return {"health": _saved(), "records": [(0, 1024.0, 0, 1.0, False), (8, 512.0, 2, 3.0, True)]}
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        ([1], TypeError, r"state_dict=list\) is not allowed: the dict from LossScaleMonitor\.state_dict\(\)"),
+        ({"lrs": [0.1]}, ValueError, r"state_dict with keys \['lrs'\]\) is not allowed: the dict from "
+         r"LossScaleMonitor\.state_dict\(\), with 'health' and 'records'"),
+        ({"health": _saved()}, ValueError, r"state_dict with keys \['health'\]\) is not allowed"),
+        ({**_monitor_state(), "health": {**_saved(), "skipped": 99}}, ValueError,
+         r"health\['skipped'\]=99\) is not allowed: an int from 0 to steps=8"),
+        ({**_monitor_state(), "health": None}, ValueError, r"health=None\) is not allowed: the dict"),
+        ({**_monitor_state(), "records": "none"}, ValueError, r"records='none'\) is not allowed: a list of"),
+        ({**_monitor_state(), "records": [(0, 1.0, 0, 1.0)]}, ValueError,
+         r"records\[0\]=\(0, 1.0, 0, 1.0\)\) is not allowed: a \(step, scale, skipped_steps, grad_norm, "
+         r"skipped\) tuple"),
+        ({**_monitor_state(), "records": [(0, 1.0, 0, 1.0, False), ("1", 1.0, 0, 1.0, False)]}, ValueError,
+         r"records\[1\]=\('1', 1.0, 0, 1.0, False\)\) is not allowed"),
+        ({**_monitor_state(), "records": [(0, 1.0, 0, 1.0, "False")]}, ValueError, r"records\[0\]="),
+        ({**_monitor_state(), "records": [(0, "1.0", 0, 1.0, False)]}, ValueError, r"records\[0\]="),
+        ({**_monitor_state(), "records": [(0, 1.0, -1, 1.0, False)]}, ValueError, r"records\[0\]="),
+    ],
+)  # fmt: skip
+def test_monitor_load_state_dict_checks_everything_before_changing_anything(
+    state: Any, error: type[Exception], match: str
+) -> None:
+    monitor = _monitor()
+    before = monitor.state_dict()
+    with pytest.raises(error, match=r"^LossScaleMonitor\.load_state_dict\(" + match + r".*HINT"):
+        monitor.load_state_dict(state)
+    assert monitor.state_dict() == before and not monitor._restored
+
+
+def test_monitor_loads_records_saved_as_lists() -> None:
+    monitor = LossScaleMonitor(window=4)
+    state = _monitor_state()
+    monitor.load_state_dict({**state, "records": [list(r) for r in state["records"]]})  # e.g. through JSON
+    assert monitor.history == [ScaleRecord(*r) for r in state["records"]] and monitor._health.steps == 8
 
 
 def test_history_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,6 +106,28 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
 
 
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        ("doctor", r"argv='doctor'\) is not allowed: None or a list of strings\. HINT: main\(\['doctor'\]\)"),
+        (["doctor", 1], r"argv=\['doctor', 1\]\) is not allowed: None or a list of strings"),
+        (("doctor", b"--json"), r"argv=\('doctor', b'--json'\)\) is not allowed"),
+    ],
+)
+def test_main_refuses_argv_that_is_not_a_list_of_strings(argv: object, match: str) -> None:
+    # A plain string would be read one character per argument and fail as a usage error.
+    with pytest.raises(TypeError, match=r"^main\(" + match):
+        main(argv)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", [None, 3, nn.Identity])
+def test_load_model_refuses_a_spec_that_is_not_a_string(spec: object) -> None:
+    with pytest.raises(
+        TypeError, match=r"^load_model\(spec=.*\) is not allowed: a 'package\.module:factory' str.*HINT"
+    ):
+        load_model(spec)  # type: ignore[arg-type]
+
+
 def test_load_model_accepts_a_class_and_dotted_attributes() -> None:
     assert isinstance(load_model("torch.nn:Identity"), nn.Identity)
     assert isinstance(load_model("torch:nn.Identity"), nn.Identity)
