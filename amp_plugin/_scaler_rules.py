@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 
 from amp_plugin import _imports
-from amp_plugin._validation import check_number, check_tensor_scalar, fail, is_number
+from amp_plugin._validation import check_device_type, check_number, check_tensor_scalar, fail, is_number
 from amp_plugin.kernels import Backend, check_backend
 
 __all__ = [
     "SCALE_FLOOR", "check_config", "check_device", "check_kernels", "check_manual_scale", "check_norm_type",
-    "check_process_group", "checked_state",
+    "checked_state",
 ]  # fmt: skip
 
 # The smallest normal positive fp32 (2**-126): the scale never goes below it. GradScaler's own
@@ -143,18 +143,8 @@ def _corrupt(what: str, got: str, allowed: str) -> None:
 
 
 def check_device(device: object) -> str | None:
-    if device is None:
-        return None
-    if isinstance(device, torch.device):
-        return device.type
-    if isinstance(device, str) and device:
-        try:
-            return torch.device(device).type
-        except RuntimeError:
-            pass
-    fail("LossScaler", f"device={device!r}", "None or a device type such as 'cuda' or 'cpu'",
-         "'gpu' is Lightning's accelerator name; torch's device type is 'cuda'.",
-         TypeError if not isinstance(device, str) else ValueError)  # fmt: skip
+    """``None`` (follow the first scaled loss) or the device type that ``device`` names."""
+    return None if device is None else check_device_type(_CALL, "device", device)
 
 
 def check_kernels(kernels: object) -> Backend:
@@ -169,11 +159,3 @@ def check_kernels(kernels: object) -> Backend:
             RuntimeError,
         )
     return name
-
-
-def check_process_group(group: object) -> Any:
-    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
-        allowed = "None (the default group) or a torch.distributed.ProcessGroup"
-        hint = "pass the group object from torch.distributed.new_group(), not its name."
-        fail("LossScaler", f"process_group={group!r}", allowed, hint, TypeError)
-    return group

@@ -119,7 +119,7 @@ class LossScaler:
                               min_scale, max_scale, dynamic)  # fmt: skip
         self._kernels_name = _scaler_rules.check_kernels(kernels)
         self._sync_mode = distributed.check_sync_mode(sync_found_inf)
-        self.process_group = _scaler_rules.check_process_group(process_group)
+        self.process_group = distributed.check_process_group(process_group, "LossScaler")
         if device_type == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn(
                 "LossScaler('cuda') is enabled, but CUDA is not available. Disabling.", stacklevel=2
