@@ -140,7 +140,6 @@ class LossScaler:
         self._growth_tracker = self._hysteresis_tracker = self._skipped = self._last_inf = torch.zeros(())
         self._kernels: Kernels | None = None
         self._states: dict[int, _OptimizerState] = {}
-        self._retired: list[Tensor] = []  # TEMP shim: inf flags of re-armed optimizers
 
     # -- the GradScaler API --------------------------------------------------------------
 
@@ -241,12 +240,10 @@ class LossScaler:
             else:
                 self._scale.fill_(float(new_scale))
             self._states.clear()
-            self._retired = []
             return
         for state in self._states.values():  # unscaled or clipped, never stepped: agree on it here
             self._sync(state)
-        found = [s.found_inf for s in self._states.values() if s.found_inf is not None] + self._retired
-        self._retired = []
+        found = [s.found_inf for s in self._states.values() if s.found_inf is not None]
         if not found:
             raise RuntimeError(
                 "update() was called but no optimizer's gradients were checked for inf/NaN since the "
@@ -261,44 +258,6 @@ class LossScaler:
         self._skipped += self._last_inf
         self.total_steps += 1
         self._states.clear()
-
-    # -- TEMP shim of the API being added by the scaler's owner ------------------------------
-
-    def found_inf(self, optimizer: Any) -> Tensor | None:
-        state = self._states.get(id(unwrap_optimizer(optimizer)))
-        return None if state is None else state.found_inf
-
-    def recheck_(self, optimizer: Any) -> None:
-        opt = unwrap_optimizer(optimizer)
-        state = self._states.get(id(opt))
-        if not self._enabled or state is None or state.stage is not _Stage.UNSCALED:
-            return
-        assert state.found_inf is not None
-        norm = self._backend().norm(clipping.gradients(opt.param_groups))
-        state.found_inf = torch.maximum(state.found_inf, (~torch.isfinite(norm)).float())
-        state.synced = False
-
-    def _rearm(self, optimizer: Any) -> None:
-        state = self._states.get(id(unwrap_optimizer(optimizer)))
-        if state is None:
-            return
-        if state.found_inf is not None:
-            self._retired.append(state.found_inf)
-        state.stage, state.found_inf, state.grad_scale, state.synced = _Stage.READY, None, None, False
-
-    def _forget(self, optimizer: Any) -> None:
-        self._states.pop(id(unwrap_optimizer(optimizer)), None)
-
-    @classmethod
-    def from_grad_scaler(cls, grad_scaler: Any) -> LossScaler:
-        scaler = cls(
-            init_scale=grad_scaler._init_scale, growth_factor=grad_scaler._growth_factor,
-            backoff_factor=grad_scaler._backoff_factor, growth_interval=grad_scaler._growth_interval,
-            enabled=grad_scaler.is_enabled(),
-        )  # fmt: skip
-        if grad_scaler.is_enabled():
-            scaler.load_state_dict(grad_scaler.state_dict())
-        return scaler
 
     def stage(self, optimizer: Any) -> Literal["ready", "unscaled", "stepped"]:
         """Where ``optimizer`` stands in this iteration: gradients still scaled, unscaled, or stepped."""
@@ -374,8 +333,6 @@ class LossScaler:
         )  # fmt: skip
         if state.stage is _Stage.READY:
             state.found_inf, state.synced = result.found_inf, sharded  # a global norm is agreed already
-        elif state.found_inf is not None:  # TEMP shim: the norm re-checks after an explicit unscale_
-            state.found_inf, state.synced = torch.maximum(state.found_inf, result.found_inf), False
         state.stage, state.grad_scale = _Stage.UNSCALED, result.grad_scale
         return result.total_norm
 
@@ -599,12 +556,6 @@ def _validated_state(state_dict: Any) -> dict[str, Any]:
             raise ValueError(
                 f"{what}: {key}={value!r} must be a non-negative int. HINT: the state is corrupt."
             )
-    tracker, interval = state_dict["_growth_tracker"], state_dict["growth_interval"]
-    if isinstance(interval, int) and tracker >= interval:  # TEMP shim: the scale would never grow again
-        raise ValueError(
-            f"{what}: _growth_tracker={tracker} must be < growth_interval={interval}. "
-            "HINT: the state is corrupt."
-        )
     if not isinstance(state_dict.get("dynamic", True), bool):
         raise ValueError(
             f"{what}: dynamic={state_dict['dynamic']!r} must be a bool. HINT: the state is corrupt."
