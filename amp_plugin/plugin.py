@@ -12,15 +12,17 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from amp_plugin import autocast, clipping, diagnostics
+from amp_plugin._validation import check_choice, fail
 from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
 from amp_plugin.scaler import LossScaler, unwrap_optimizer
 
@@ -33,14 +35,18 @@ _OBSERVING_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
 _SCHEDULER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
 
-class AMPPrecision(Precision):
+class AMPPrecision(MixedPrecision):
     """Mixed precision for ``Trainer(plugins=[AMPPrecision(...)])``.
+
+    A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
+    ThroughputMonitor and checkpoint code treat it as one), driving a :class:`LossScaler`.
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
             ``"bf16-mixed"``, or ``"auto"`` (bf16 where the device supports it, else fp16).
         device: the autocast device type; ``None`` takes it from the model's device at setup.
-        scaler: the :class:`LossScaler` for fp16; fp16 gets ``LossScaler()`` by default.
+        scaler: the :class:`LossScaler` for fp16 (a ``torch.amp.GradScaler`` is converted with its
+            settings and state); fp16 gets ``LossScaler()`` by default.
         kernels: kernel backend for the default scaler and for clipping.
         fp32_modules: module classes whose forward runs in fp32 with autocast off.
         clip_fused: ``"auto"`` takes the fast clipping path (norm and inf check on the
@@ -48,8 +54,10 @@ class AMPPrecision(Precision):
             unless the LightningModule or a callback overrides ``on_before_optimizer_step``
             or ``configure_gradient_clipping``; ``True`` always takes it (those hooks then see
             scaled gradients); ``False`` unscales before the hooks, as Lightning does.
-        lr_on_skip: ``"hold"`` keeps step-interval LR schedulers still on a skipped step;
-            ``"advance"`` steps them anyway (without PyTorch's misleading order warning).
+        lr_on_skip: ``"hold"`` keeps a step-interval LR scheduler still when its optimizer's
+            step was skipped (or not taken: ``training_step`` returned ``None``); ``"advance"``
+            steps it anyway, without PyTorch's misleading order warning. In manual optimization
+            declare the scheduler with ``"interval": "step"`` to have it held.
 
     Example:
         >>> plugin = AMPPrecision("16-mixed", device="cpu")
@@ -57,11 +65,14 @@ class AMPPrecision(Precision):
         ('16-mixed', torch.float16, 'LossScaler')
     """
 
-    def __init__(
+    scaler: LossScaler | None  # type: ignore[assignment]  # MixedPrecision's is a GradScaler
+    device: str | None  # type: ignore[assignment]  # None until resolved at setup
+
+    def __init__(  # MixedPrecision.__init__ is not called: it would build a torch GradScaler
         self,
         precision: Literal["16-mixed", "bf16-mixed", "auto"] = "auto",
         device: str | None = None,
-        scaler: LossScaler | None = None,
+        scaler: LossScaler | torch.amp.GradScaler | None = None,
         kernels: Backend = "auto",
         fp32_modules: Sequence[type[nn.Module]] = (),
         clip_fused: Literal["auto"] | bool = "auto",
@@ -73,15 +84,19 @@ class AMPPrecision(Precision):
         self.clip_fused = clip_fused
         self.lr_on_skip = lr_on_skip
         self.requested = precision
-        self.scaler = scaler
-        self.device: str | None = None
+        self.scaler = (
+            LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
+        )
+        self.device = None
         self.dtype: torch.dtype | None = None
         self.precision = precision  # type: ignore[assignment]  # "auto" until resolved at setup
         self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
         self._fp32_hooks: autocast.Fp32Modules | None = None
         self._fast_clip = clip_fused is True
-        self._stepped_in_batch = False
-        self._want_grad_norm = False
+        self._stepped_in_batch = self._want_grad_norm = self._norm_clipped = self._no_clip = False
+        self._skips: dict[int, Tensor] = {}  # id(optimizer) -> whether its latest step was skipped
+        self._last_skip: Tensor | None = None  # the latest step's flag, until the batch's scale update
+        self._stepped_since_backward: set[int] = set()  # ids of optimizers that may not step again yet
         if device is not None:
             self._resolve(device)
 
@@ -110,16 +125,15 @@ class AMPPrecision(Precision):
         self._check_setup(module, optimizers)
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = autocast.force_fp32(module, self.fp32_modules)
-        if isinstance(module, LightningModule) and module._trainer is not None:
+        if isinstance(module, LightningModule) and (trainer := _compat_trainer(module)) is not None:
             self._fast_clip = self.clip_fused is True or (
-                self.clip_fused == "auto" and not _hooks_observe_gradients(module)
+                self.clip_fused == "auto" and not _hooks_observe_gradients(module, trainer)
             )
-            if module.automatic_optimization:
-                for config in lr_schedulers:
-                    if getattr(config, "interval", "step") == "step" and not isinstance(
-                        config.scheduler, _SkipAwareScheduler
-                    ):
-                        config.scheduler = _SkipAwareScheduler(config.scheduler, self)
+        for config in lr_schedulers:  # automatic and manual optimization alike
+            if getattr(config, "interval", "step") == "step" and not isinstance(
+                config.scheduler, _SkipAwareScheduler
+            ):
+                config.scheduler = _SkipAwareScheduler(config.scheduler, self)
         return model, optimizers, lr_schedulers
 
     def _check_setup(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
@@ -131,11 +145,7 @@ class AMPPrecision(Precision):
                 "optimizer."
             )
         findings = diagnostics.check_optimizer_setup(
-            model,
-            optimizers,
-            device_type=self.device,
-            dtype=self.dtype,
-            grad_scaling=self.scaler is not None,
+            model, optimizers, device_type=self.device, dtype=self.dtype, grad_scaling=self.scaler is not None
         )
         errors = [f.message for f in findings if f.severity == "error"]
         if errors:
@@ -157,6 +167,7 @@ class AMPPrecision(Precision):
 
     # -- autocast -------------------------------------------------------------------------------
 
+    @override
     def autocast_context_manager(self) -> torch.autocast:
         """The autocast context for forward passes (the weight-cast cache off, as in Lightning)."""
         if self.device is None:
@@ -180,44 +191,87 @@ class AMPPrecision(Precision):
         with self.forward_context():
             yield
         # Manual optimization: one update per training batch, after every optimizer's step.
-        if self._stepped_in_batch and self.scaler is not None:
+        if self._stepped_in_batch:
             self._stepped_in_batch = False
-            self.scaler.update()
+            self._update()
 
     # -- backward and step ----------------------------------------------------------------------
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # The hooks get the loss as the user computed it; only backward sees the scaled one.
-        super().pre_backward(tensor, module)
+        Precision.pre_backward(self, tensor, module)  # not MixedPrecision's: it scales for GradScaler
         return tensor if self.scaler is None else self.scaler.scale(tensor)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        self._stepped_since_backward.clear()
+        # torch runs backward best with autocast off; manual_backward sits inside training_step's region.
+        with torch.autocast(self.device or "cpu", enabled=False):
+            Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if self.scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
-            self._after_closure(model, optimizer)  # backward was skipped: nothing to unscale or step
+            self._not_stepped(model, optimizer)
             return closure_result
-        stage = self.scaler.stage(optimizer)
-        if stage == "stepped":
-            raise RuntimeError(
-                f"{type(unwrap_optimizer(optimizer)).__name__} was stepped twice in one training_step under "
-                "fp16 loss scaling, which updates the scale once per batch. HINT: step each optimizer once "
-                "per training_step, or accumulate gradients across batches instead."
-            )
-        if stage == "ready" and not self._fast_clip:
+        self._arm(optimizer)
+        if self.scaler.stage(optimizer) == "ready" and not self._fast_clip:
             self.scaler.unscale_(optimizer)  # the hooks below see unscaled gradients
+        self._norm_clipped = False
         self._after_closure(model, optimizer)
+        if not (self._fast_clip or self._norm_clipped):  # a norm clip after the hooks re-checked already
+            self.scaler.recheck_(optimizer)  # a hook may have written inf/NaN after unscale_
         result = self.scaler.step(optimizer, **kwargs)
+        flag = self.scaler.found_inf(optimizer)
+        self._record_step(optimizer, torch.zeros((), dtype=torch.bool) if flag is None else flag > 0)
         if model.automatic_optimization:
-            self.scaler.update()
+            self._update()
         else:
             self._stepped_in_batch = True
         return result
+
+    def _not_stepped(self, model: LightningModule, optimizer: Any) -> None:
+        """``training_step`` returned ``None``: the hooks run as under MixedPrecision; nothing is clipped."""
+        assert self.scaler is not None
+        self._no_clip = True
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._no_clip = False
+        self.scaler._forget(optimizer)  # nothing of this batch may be taken for the next one's state
+        self.last_grad_norm = None
+        self._record_step(optimizer, torch.ones((), dtype=torch.bool))  # holds its scheduler
+
+    def _arm(self, optimizer: Any) -> None:
+        """Let manual optimization step an optimizer again in a batch (a WGAN critic), after a backward."""
+        assert self.scaler is not None
+        key = id(unwrap_optimizer(optimizer))
+        if self.scaler.stage(optimizer) == "stepped":
+            if key in self._stepped_since_backward:
+                raise RuntimeError(
+                    f"{type(unwrap_optimizer(optimizer)).__name__} was stepped twice in one training_step "
+                    "with no backward in between, under fp16 loss scaling: the first step used the "
+                    "gradients. HINT: call manual_backward (and zero_grad) before each step of the same "
+                    "optimizer."
+                )
+            self.scaler._rearm(optimizer)  # skipped on its own gradients; one scale update per batch
+        self._stepped_since_backward.add(key)
+
+    def _record_step(self, optimizer: Any, skipped: Tensor) -> None:
+        self._skips[id(unwrap_optimizer(optimizer))] = self._last_skip = skipped
+
+    def _update(self) -> None:
+        assert self.scaler is not None
+        self.scaler.update()
+        self._last_skip = None  # from here on last_step_skipped describes the whole batch
 
     def request_grad_norm(self) -> None:
         """Have the next optimizer step record ``last_grad_norm`` even without clipping.
@@ -229,7 +283,7 @@ class AMPPrecision(Precision):
 
     @override
     def _after_closure(self, model: LightningModule, optimizer: Any) -> None:
-        super()._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+        Precision._after_closure(self, model, optimizer)  # on_before_optimizer_step hooks, then clipping
         if self._want_grad_norm and self.last_grad_norm is None:
             self.last_grad_norm = self._grad_norm(optimizer)
         self._want_grad_norm = False
@@ -245,8 +299,19 @@ class AMPPrecision(Precision):
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last update skipped its step (always ``False`` without a scaler)."""
+        """Whether the latest optimizer step was skipped (``False`` without a scaler).
+
+        Right after ``opt.step()`` in manual optimization it describes that step; after the
+        batch's scale update, whether any step of the batch was skipped.
+        """
+        if self._last_skip is not None:
+            return bool(self._last_skip)
         return self.scaler is not None and self.scaler.last_step_skipped
+
+    def step_skipped(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
+        flag = self._skips.get(id(unwrap_optimizer(optimizer)))
+        return flag is not None and bool(flag)
 
     # -- clipping -------------------------------------------------------------------------------
 
@@ -257,7 +322,7 @@ class AMPPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if clip_val <= 0:
+        if clip_val <= 0 or self._no_clip:
             return
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self.clip_grad_by_value(optimizer, clip_val)
@@ -266,6 +331,7 @@ class AMPPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self._norm_clipped = True
         if self.scaler is not None:
             self.last_grad_norm = self.scaler.clip_grad_norm_(optimizer, float(clip_val))
             return
@@ -281,7 +347,7 @@ class AMPPrecision(Precision):
         if self.scaler is not None:
             self.scaler.clip_grad_value_(optimizer, float(clip_val))
         else:
-            super().clip_grad_by_value(unwrap_optimizer(optimizer), clip_val)
+            Precision.clip_grad_by_value(self, unwrap_optimizer(optimizer), clip_val)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -300,37 +366,37 @@ class AMPPrecision(Precision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        entry = checkpoint.get(CHECKPOINT_KEY)
-        if entry is not None:
-            if not isinstance(entry, dict) or "scaler" not in entry:
-                raise ValueError(
-                    f"The checkpoint's {CHECKPOINT_KEY!r} entry is {type(entry).__name__} {entry!r:.80}; "
-                    "expected a dict with a 'scaler' state. HINT: the checkpoint is corrupt or was "
-                    "written by another program; resume without ckpt_path or fix the entry."
-                )
-            self.load_state_dict(entry["scaler"])
-            return
-        for key in _FOREIGN_KEYS:
-            if key in checkpoint:
-                self.load_state_dict(checkpoint[key])
-                return
+        state = _scaler_state(checkpoint)
+        if state is not None:
+            self.load_state_dict(state)
+
+    def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if the checkpoint's loss-scaler state would not load; change nothing.
+
+        Lightning restores the precision plugin only after it has replaced the model's weights.
+        To refuse a corrupt checkpoint before that, call this from the LightningModule's
+        ``on_load_checkpoint``, the one hook Lightning runs earlier::
+
+            def on_load_checkpoint(self, checkpoint):
+                self.trainer.precision_plugin.check_checkpoint(checkpoint)
+        """
+        state = _scaler_state(checkpoint)
+        if state and self.scaler is not None and self.scaler.is_enabled():
+            LossScaler().load_state_dict(state)  # a throw-away scaler validates the whole state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a scaler state (from this plugin, ``LossScaler``, or ``torch.amp.GradScaler``)."""
-        if self.scaler is None:
-            if state_dict:
-                rank_zero_warn(
-                    "The checkpoint holds a loss-scaler state, but this run uses bf16 without a scaler; "
-                    "the state is ignored."
-                )
-            return
-        if not state_dict:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+        elif self.scaler is not None:
             rank_zero_warn(
                 "The checkpoint holds no loss-scaler state (a bf16 run?); the scale starts afresh."
             )
-            return
-        self.scaler.load_state_dict(state_dict)
+        elif state_dict:
+            rank_zero_warn(
+                "The checkpoint holds a loss-scaler state, but this bf16 run has no scaler: ignored."
+            )
 
 
 class _SkipAwareScheduler:
@@ -345,16 +411,21 @@ class _SkipAwareScheduler:
         self.__dict__["_plugin"] = plugin
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self._plugin.last_step_skipped:
+        optimizer = getattr(self._scheduler, "optimizer", None)
+        plugin = self._plugin
+        if not (plugin.last_step_skipped if optimizer is None else plugin.step_skipped(optimizer)):
             self._scheduler.step(*args, **kwargs)
             return
-        if self._plugin.lr_on_skip == "hold":
+        if plugin.lr_on_skip == "hold":
             return
         with warnings.catch_warnings():  # the skip is why optimizer.step() never ran
             warnings.filterwarnings("ignore", message=_SCHEDULER_WARNING)
             self._scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        # copy and pickle probe a bare instance (no _scheduler yet) for __setstate__ and the like.
+        if name.startswith("__") or "_scheduler" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self._scheduler, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -379,25 +450,38 @@ def _module_device(model: nn.Module) -> str:
     return param.device.type if param is not None else "cpu"
 
 
-def _hooks_observe_gradients(model: LightningModule) -> bool:
+def _hooks_observe_gradients(model: LightningModule, trainer: Trainer) -> bool:
     """Whether the module or a callback can look at gradients between backward and step."""
-    if any(_overrides(type(model), LightningModule, hook) for hook in _OBSERVING_HOOKS):
+    if any(is_overridden(hook, model, LightningModule) for hook in _OBSERVING_HOOKS):
         return True
-    callbacks = getattr(model.trainer, "callbacks", [])
-    return any(_overrides(type(cb), Callback, "on_before_optimizer_step") for cb in callbacks)
+    return any(
+        is_overridden("on_before_optimizer_step", cb, Callback) for cb in getattr(trainer, "callbacks", [])
+    )
 
 
-def _overrides(cls: type, base: type, name: str) -> bool:
-    return getattr(cls, name, None) is not getattr(base, name, None)
+def _scaler_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The loss-scaler state in a checkpoint (ours, or MixedPrecision's), ``None`` if it has none."""
+    entry = checkpoint.get(CHECKPOINT_KEY)
+    if entry is None:
+        entry = next(({"scaler": checkpoint[key]} for key in _FOREIGN_KEYS if key in checkpoint), None)
+        if entry is None:
+            return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("scaler"), dict):
+        raise ValueError(
+            f"The checkpoint's {CHECKPOINT_KEY!r} entry is {type(entry).__name__} {entry!r:.80}; "
+            "expected a dict whose 'scaler' is a loss-scaler state dict. HINT: the checkpoint is corrupt "
+            "or was written by another program; resume without ckpt_path or fix the entry."
+        )
+    return entry["scaler"]  # type: ignore[no-any-return]
 
 
 def _validate(precision: object, scaler: object, clip_fused: object, lr_on_skip: object) -> None:
     autocast.check_precision(precision)
-    if scaler is not None and not isinstance(scaler, LossScaler):
-        raise TypeError(
-            f"AMPPrecision(scaler=...) takes an amp_plugin.LossScaler, got {type(scaler).__qualname__}. "
-            "HINT: LossScaler accepts torch.amp.GradScaler's arguments and loads its state_dict."
-        )
+    if scaler is not None and not isinstance(scaler, (LossScaler, torch.amp.GradScaler)):
+        fail(
+            "AMPPrecision", f"scaler={scaler!r:.60}", "an amp_plugin.LossScaler or a torch.amp.GradScaler",
+            "pass LossScaler(...) (it takes GradScaler's arguments), or leave scaler=None.", TypeError,
+        )  # fmt: skip
     if scaler is not None and precision == "bf16-mixed":
         raise ValueError(
             "AMPPrecision(precision='bf16-mixed') does not use a loss scaler, but scaler= was passed. "
@@ -408,11 +492,21 @@ def _validate(precision: object, scaler: object, clip_fused: object, lr_on_skip:
             "AMPPrecision(precision='auto', scaler=...) is ambiguous: 'auto' picks bf16 (no scaler) where it "
             "can. HINT: pass precision='16-mixed' together with the scaler."
         )
-    if clip_fused not in ("auto", True, False):
-        raise ValueError(
-            f"AMPPrecision(clip_fused={clip_fused!r}): allowed 'auto', True, False. HINT: use 'auto'."
-        )
-    if lr_on_skip not in ("hold", "advance"):
-        raise ValueError(
-            f"AMPPrecision(lr_on_skip={lr_on_skip!r}): allowed 'hold', 'advance'. HINT: use 'hold'."
-        )
+    check_choice(
+        "AMPPrecision", "clip_fused", clip_fused, ("auto", True, False), "use 'auto' (or a real bool)."
+    )
+    check_choice("AMPPrecision", "lr_on_skip", lr_on_skip, ("hold", "advance"), "use 'hold'.")
+
+
+# -- Lightning internals ----------------------------------------------------------------------------
+# Every use of a private Lightning name is listed here; test_plugin_lightning.py pins each, so a
+# Lightning upgrade that renames one fails loudly:
+# - LightningModule._trainer (read below): the public .trainer raises while none is attached.
+# - Precision._after_closure (overridden and called above): the hooks and clipping between the
+#   closure and the step; Precision._wrap_closure and MixedPrecision.optimizer_step call it.
+# Lightning also loads checkpoint["native_amp_scaling_state"] into any MixedPrecision after
+# on_load_checkpoint has loaded it: the same state twice, which changes nothing.
+
+
+def _compat_trainer(module: LightningModule) -> Trainer | None:
+    return module._trainer

@@ -52,6 +52,7 @@ class _RankModule(LightningModule):
             "scales": self.scales,
             "skipped": scaler.skipped_steps,
             "params_equal_across_ranks": all(torch.equal(gathered[0], g) for g in gathered),
+            "params_finite": bool(torch.isfinite(flat).all()),
             "sync": scaler.process_group is None,
         }
         Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(result))
@@ -107,6 +108,32 @@ def test_ddp_spawn_ranks_agree_and_resume(tmp_path: Path) -> None:
     assert s0["skipped"] == s1["skipped"] >= r0["skipped"]  # counters continued from the checkpoint
     assert s0["scales"] == s1["scales"]
     assert s0["params_equal_across_ranks"]
+
+
+class _HookNanModule(_RankModule):
+    """Only rank 1's on_before_optimizer_step writes a NaN, after the plugin has unscaled."""
+
+    def on_after_backward(self) -> None:
+        pass
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.global_rank == 1 and self.global_step == 1:
+            self.net[0].weight.grad[0, 0] = float("nan")
+
+
+def test_nan_from_a_hook_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) -> None:
+    """The plugin's re-check after the hooks is agreed across ranks (ddp_fork: no re-import, fast)."""
+    plugin = AMPPrecision("16-mixed", scaler=LossScaler(init_scale=2.0**8, growth_interval=1000))
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=3, plugins=[plugin], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(_HookNanModule(str(tmp_path)), _loader())
+    r0, r1 = _results(tmp_path)
+    assert r0["skipped"] == r1["skipped"] == 1  # rank 0 saw no NaN and skipped too
+    assert r0["scales"] == r1["scales"] == [2.0**8, 2.0**7, 2.0**7]
+    assert r0["params_equal_across_ranks"] and r0["params_finite"]
 
 
 def test_fsdp_strategy_refuses_the_plugin_loudly() -> None:
