@@ -102,8 +102,8 @@ class AMPPrecision(MixedPrecision):
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    def _resolve(self, device: str) -> None:
-        device_type = torch.device(device).type
+    def _resolve(self, device: object) -> None:
+        device_type = autocast.check_device(device, "AMPPrecision")
         dtype = autocast.resolve_precision(self.requested, device_type)
         # A scaler comes only with "16-mixed" (_validate), which always resolves to fp16.
         if self.scaler is None and dtype == torch.float16:
@@ -382,7 +382,7 @@ class AMPPrecision(MixedPrecision):
         """
         state = _scaler_state(checkpoint)
         if state and self.scaler is not None and self.scaler.is_enabled():
-            LossScaler().load_state_dict(state)  # a throw-away scaler validates the whole state
+            self.scaler.check_state_dict(state)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -478,6 +478,11 @@ class LossScaler:
             )
             self._policy.load_state_dict(state_dict)
 
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if :meth:`load_state_dict` would refuse ``state_dict``; change nothing."""
+        policy = self._policy
+        _scaler_rules.checked_state(state_dict, policy.hysteresis, policy.min_scale, policy.max_scale)
+
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled:
             self._require_between_iterations("pickling", "pickle (or deepcopy) the scaler after update().")
