@@ -456,6 +456,11 @@ def test_plain_data_parallel_under_bf16_warns() -> None:
             ValueError,
             r"not available for device type 'meta'.*HINT",
         ),
+        ({"precision": "16-mixed", "device": "gpu"}, ValueError, r"device='gpu'.*HINT.*'cuda'"),
+        ({"precision": "16-mixed", "device": ""}, ValueError, r"device=''.*HINT"),
+        ({"precision": "16-mixed", "device": 0}, TypeError, r"device=0.*HINT"),
+        ({"precision": "16-mixed", "clip_fused": 1}, ValueError, r"clip_fused=1"),
+        ({"precision": "16-mixed", "clip_fused": "True"}, ValueError, r"clip_fused='True'"),
     ],
 )
 def test_bad_arguments_raise_clearly(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
