@@ -53,7 +53,7 @@ MAX_NORM = 1.0  # the unscaled total norm is about GRAD_STD * sqrt(params) = 10 
 # Two fp32 reductions over 1e8 elements differ by a few 1e-5 (torch's own norm is 2.6e-5 off the
 # fp64 truth here, the torch backend's BLAS-based one 1.1e-5), so paths are compared to that.
 RTOL = 1e-4
-TARGET_B_OVER_A = 0.65
+TARGET_B_OVER_A = 0.55
 TARGET_B_OVER_FLOOR = 1.2
 # A median this far above the fastest repeat means other jobs preempted our threads.
 UNSTEADY = 1.5

@@ -9,13 +9,16 @@ samples/s and ratios:
                matmul-heavy case where autocast pays most
   tiny         the fp16 example's 16-64-64-1 MLP (examples/fp16_scaler.py), where per-step
                overhead dominates; this is where fp16 + loss scaling runs on CPU
+  tiny-hooks,  the tiny MLP and the wide MLP in fp16 with an ``on_before_optimizer_step``
+  mlp-hooks    hook and value clipping: both plugins unscale before the hook, and
+               AMPPrecision re-checks the gradients for inf/NaN after it (one extra read)
 
   set-ups      fp32 (no plugin) · Lightning MixedPrecision bf16 · AMPPrecision bf16
                (transformer, mlp) · Lightning MixedPrecision fp16 with torch.amp.GradScaler ·
                AMPPrecision fp16 with LossScaler (tiny; also transformer and mlp on CUDA)
 
-Every run uses ``gradient_clip_val=1.0``, as the quickstart does. A callback times each
-training batch (forward, backward, clipping, optimizer step) after ``--warmup`` batches;
+Every run uses ``gradient_clip_val=1.0``, as the quickstart does (by value for the -hooks models).
+A callback times each training batch (forward, backward, clipping, optimizer step) after ``--warmup`` batches;
 Trainer start-up is not timed, and a run's samples/s is the batch size over its median step
 time. The set-ups of a model run in rotating order in each round, and a ratio is the median
 over rounds of the per-round ratio, so a burst of load from another process hits the
@@ -72,6 +75,8 @@ _BANNERS = ("available:", "Tip: For seamless cloud logging", "`Trainer.fit` stop
 
 def _load_example(name: str) -> ModuleType:
     """Import ``examples/<name>.py`` by path: the examples are scripts, not a package."""
+    if str(EXAMPLES) not in sys.path:  # the examples import each other's helpers by module name
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {EXAMPLES / name}.py")
@@ -91,6 +96,7 @@ class Workload:
     make_loader: Callable[[], DataLoader[Any]]
     setups: tuple[str, ...]
     steps: int
+    clip_algorithm: str = "norm"  # "value" leaves no norm clip after the hooks: the plugin re-checks
 
 
 class WideMLP(LightningModule):
@@ -109,6 +115,21 @@ class WideMLP(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class _Observing:
+    """Mixin: a LightningModule that looks at its gradients before the step.
+
+    Overriding ``on_before_optimizer_step`` makes both plugins unscale before the hooks; with
+    value clipping AMPPrecision then re-checks the gradients after them (one extra read).
+    """
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+
+def _observing(cls: type[LightningModule]) -> type[LightningModule]:
+    return type(f"Observing{cls.__name__}", (_Observing, cls), {})
 
 
 def _mlp_loader(batch_size: int, batches: int, features: int = 256) -> DataLoader[Any]:
@@ -154,6 +175,24 @@ def workloads(device: str, steps: int, tiny_steps: int, warmup: int) -> list[Wor
             lambda: DataLoader(fp16_example.make_dataset(32 * tiny_batches, seed=1), batch_size=32),
             (FP32, MP_FP16, AMP_FP16),
             tiny_steps,
+        ),
+        Workload(
+            "tiny-hooks",
+            "the tiny MLP with an on_before_optimizer_step hook and value clipping (re-check path)",
+            lambda total: _observing(fp16_example.Regressor)(),
+            lambda: DataLoader(fp16_example.make_dataset(32 * tiny_batches, seed=1), batch_size=32),
+            (FP32, MP_FP16, AMP_FP16),
+            tiny_steps,
+            "value",
+        ),
+        Workload(
+            "mlp-hooks",
+            f"the wide MLP ({width}) in fp16 with an on_before_optimizer_step hook and value clipping",
+            lambda total: _observing(WideMLP)(width),
+            lambda: _mlp_loader(512, batches),
+            (FP32, MP_FP16, AMP_FP16),
+            steps,
+            "value",
         ),
     ]
 
@@ -214,6 +253,7 @@ def train_once(workload: Workload, setup: str, device: str, warmup: int) -> floa
         devices=1,
         max_steps=total,
         gradient_clip_val=1.0,
+        gradient_clip_algorithm=workload.clip_algorithm,
         plugins=[plugin] if plugin is not None else None,
         callbacks=[timer],
         logger=False,
@@ -274,7 +314,8 @@ def targets(results: list[Result], device: str) -> list[dict[str, Any]]:
         (model, AMP_BF16, MP_BF16, "Lightning MixedPrecision bf16", TARGET_VS_LIGHTNING)
         for model in ("transformer", "mlp")
     ]
-    checks.append(("tiny", AMP_FP16, MP_FP16, "Lightning MixedPrecision fp16", TARGET_VS_LIGHTNING))
+    for model in ("tiny", "tiny-hooks", "mlp-hooks"):
+        checks.append((model, AMP_FP16, MP_FP16, "Lightning MixedPrecision fp16", TARGET_VS_LIGHTNING))
     if device == "cuda":
         checks += [
             ("transformer", AMP_BF16, FP32, "fp32", TARGET_CUDA_VS_FP32),
@@ -328,7 +369,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     add = parser.add_argument
     add("--device", choices=("cpu", "cuda"), default=default_device(), help="default: cuda if available")
-    add("--models", nargs="+", choices=("transformer", "mlp", "tiny"), default=["transformer", "mlp", "tiny"])
+    names = ("transformer", "mlp", "tiny", "tiny-hooks", "mlp-hooks")
+    add("--models", nargs="+", choices=names, default=list(names))
     add("--rounds", type=int, help=f"rounds per model (default {FULL['rounds']}, quick {QUICK['rounds']})")
     add("--steps", type=int, help=f"timed steps per run (default {FULL['steps']})")
     add("--tiny-steps", type=int, help=f"timed steps per tiny-model run (default {FULL['tiny_steps']})")
