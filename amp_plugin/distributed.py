@@ -106,13 +106,12 @@ def sync_enabled(mode: SyncMode, group: Any = None) -> bool:
     _check_group(group, "sync_enabled")
     if mode is False:
         return False
-    ready = dist.is_available() and dist.is_initialized()
-    if mode is True and not ready:
+    if mode is True and not _initialised():
         raise RuntimeError(
             "sync_found_inf=True but torch.distributed is not initialised. HINT: call "
             "torch.distributed.init_process_group() first, or use sync_found_inf='auto'."
         )
-    return ready and dist.get_world_size(group) > 1
+    return _world_size(group) > 1
 
 
 def all_reduce_found_inf(found_inf: Tensor, group: Any = None) -> Tensor:
@@ -157,7 +156,7 @@ def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -
              "pass the norm_type given to clip_grad_norm_, e.g. 2.0.",
              ValueError if isinstance(norm_type, float) else TypeError)  # fmt: skip
     _check_group(group, "global_norm")
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if _world_size(group) == 1:
         return local_norm.detach().float().clone()
     p = float(norm_type)
     reduced = local_norm.detach().to(torch.float64)
@@ -248,10 +247,11 @@ def check_consistency(
     """
     state, params = _validated_check_args(scaler, parameters)
     _check_group(group, "check_consistency")
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    world = _world_size(group)
+    if world == 1:
         return
     local = _local_summary(state, params)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    gathered = [torch.empty_like(local) for _ in range(world)]
     _all_gather(gathered, local, group)
     table = torch.stack([t.cpu() for t in gathered])  # [world, fields]
     bits = table.view(torch.int64)  # bit-exact comparison; equal NaNs compare equal
@@ -370,6 +370,15 @@ def _ranks_by_value(field: str, values: list[float], bits: list[int], ranks: lis
         f"{shown[key]!r} on rank{'s' if len(members) > 1 else ''} {', '.join(map(str, members))}"
         for key, members in groups.items()
     ]
+
+
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _world_size(group: Any) -> int:
+    """Processes in ``group``; 1 without an initialised process group (this process holds everything)."""
+    return dist.get_world_size(group) if _initialised() else 1
 
 
 def _backend_device(tensor: Tensor, group: Any) -> torch.device:
