@@ -7,12 +7,26 @@ unscaling the wrapper and then the inner optimizer would unscale twice.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["gradients_to_unscale", "handles_unscaling", "unwrap_optimizer"]
+__all__ = [
+    "GRAD_SCALER_KWARG_WARNING",
+    "gradients_to_unscale",
+    "handles_unscaling",
+    "step_with_amp_attributes",
+    "takes_grad_scaler",
+    "unwrap_optimizer",
+]
+
+GRAD_SCALER_KWARG_WARNING = (
+    "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the near "
+    "future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed optimizer and "
+    "let the optimizer use them directly."
+)  # torch's words, so that warning filters written for GradScaler match ours too
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -90,3 +104,39 @@ def gradients_to_unscale(optimizer: Any) -> list[Tensor]:
             else:
                 tensors.append(grad)
     return tensors
+
+
+def takes_grad_scaler(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` takes a ``grad_scaler=`` argument (torch's older fused contract).
+
+    Example:
+        >>> import torch
+        >>> takes_grad_scaler(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
+        False
+    """
+    return "grad_scaler" in inspect.signature(unwrap_optimizer(optimizer).step).parameters
+
+
+def step_with_amp_attributes(
+    opt: Any, optimizer: Any, grad_scale: Tensor | None, found_inf: Tensor | None, *args: Any, **kwargs: Any
+) -> Any:
+    """Run ``optimizer.step`` with ``grad_scale``/``found_inf`` set on ``opt`` (the real optimizer).
+
+    The contract of optimizers with ``_step_supports_amp_scaling``: the step divides the
+    gradients by ``grad_scale`` and skips where ``found_inf`` is set. The attributes are
+    removed afterwards, also when the step raises.
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> p.grad = torch.full((2,), 4.0)
+        >>> opt = torch.optim.SGD([p], lr=1.0, fused=True)
+        >>> _ = step_with_amp_attributes(opt, opt, torch.tensor(4.0), torch.zeros(()))
+        >>> p.tolist(), hasattr(opt, "grad_scale")
+        ([0.0, 0.0], False)
+    """
+    opt.grad_scale, opt.found_inf = grad_scale, found_inf
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del opt.grad_scale, opt.found_inf

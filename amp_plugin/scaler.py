@@ -15,46 +15,32 @@ written inf/NaN into them.
 
 from __future__ import annotations
 
-import enum
-import inspect
 import warnings
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from amp_plugin import _scaler_rules, clipping, distributed
+from amp_plugin._iteration import Iteration, OptimizerState, Stage
 from amp_plugin._validation import check_bool, check_int, check_number, fail
 from amp_plugin.kernels import Backend, Kernels, get_kernels
-from amp_plugin.optim import gradients_to_unscale, handles_unscaling, unwrap_optimizer
+from amp_plugin.optim import (
+    GRAD_SCALER_KWARG_WARNING,
+    gradients_to_unscale,
+    handles_unscaling,
+    step_with_amp_attributes,
+    takes_grad_scaler,
+    unwrap_optimizer,
+)  # fmt: skip
 from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning
 
 __all__ = ["LossScaler", "ScaleFloorWarning", "unwrap_optimizer"]
 
 T = TypeVar("T")
-_GRAD_SCALER_KWARG_WARNING = (
-    "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the near "
-    "future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed optimizer and "
-    "let the optimizer use them directly."
-)  # torch's words, so that filters written for GradScaler match ours too
 
 
-class _Stage(enum.Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-@dataclass
-class _OptimizerState:
-    stage: _Stage = _Stage.READY
-    found_inf: Tensor | None = None
-    grad_scale: Tensor | None = None  # factor the grads still carry once stage is UNSCALED
-    synced: bool = False  # found_inf already agreed across ranks (all-reduced, or from a global norm)
-
-
-class LossScaler:
+class LossScaler(clipping.UnscaledClipping):
     """Dynamic loss scaling with hysteresis, scale bounds and static mode.
 
     Takes ``torch.amp.GradScaler``'s arguments in its order. With ``hysteresis=1``, no
@@ -129,9 +115,7 @@ class LossScaler:
         self._enabled = enabled
         self._policy = policy
         self._kernels: Kernels | None = None
-        self._states: dict[int, _OptimizerState] = {}
-        self._retired: list[Tensor] = []  # inf flags of steps taken before an optimizer was re-armed
-        self._scaled = False  # scale() was called since the last update(): gradients carry the scale
+        self._iteration = Iteration()
 
     @classmethod
     def from_grad_scaler(cls, grad_scaler: Any, **options: Any) -> LossScaler:
@@ -188,7 +172,7 @@ class LossScaler:
         scale = self._policy.ensure(loss.device)
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
-        self._scaled = True
+        self._iteration.scaled = True
         return loss * scale.to(loss.device, non_blocking=True)
 
     def unscale_(self, optimizer: Any) -> None:
@@ -201,13 +185,13 @@ class LossScaler:
             return
         opt = unwrap_optimizer(optimizer)
         state = self._state(opt, "unscale_")
-        if state.stage is _Stage.UNSCALED:
+        if state.stage is Stage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update() "
                 "(clip_grad_norm_ and clip_grad_value_ unscale too). HINT: unscale once per "
                 "iteration, after all backward passes, then step() and update()."
             )
-        if state.stage is _Stage.STEPPED:
+        if state.stage is Stage.STEPPED:
             raise RuntimeError(
                 "unscale_() was called after step() on this optimizer. HINT: unscale (or clip) "
                 "before step(); call update() to start the next iteration."
@@ -216,7 +200,7 @@ class LossScaler:
         inv_scale = scale.double().reciprocal().float()
         state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         self._backend().unscale_(gradients_to_unscale(opt), inv_scale, state.found_inf)
-        state.stage, state.grad_scale = _Stage.UNSCALED, None
+        state.stage, state.grad_scale = Stage.UNSCALED, None
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then run ``optimizer.step()`` unless a gradient is inf/NaN.
@@ -237,19 +221,19 @@ class LossScaler:
             )
         opt = unwrap_optimizer(optimizer)
         state = self._state(opt, "step")
-        if state.stage is _Stage.STEPPED:
+        if state.stage is Stage.STEPPED:
             raise RuntimeError(
                 "step() has already been called on this optimizer since the last update(). "
                 "HINT: call update() once per iteration, after the step() of every optimizer."
             )
         if handles_unscaling(opt):
             return self._fused_step(opt, optimizer, state, *args, **kwargs)
-        if state.stage is _Stage.READY:
+        if state.stage is Stage.READY:
             self.unscale_(opt)
         found_inf = cast(Tensor, state.found_inf)
         self._sync(state)
         result = None if found_inf.item() else optimizer.step(*args, **kwargs)
-        state.stage = _Stage.STEPPED
+        state.stage = Stage.STEPPED
         return result
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
@@ -269,9 +253,7 @@ class LossScaler:
             )
             self._end_iteration()
             return
-        for state in self._states.values():  # unscaled or clipped, never stepped: agree on it here
-            self._sync(state)
-        found = [s.found_inf for s in self._states.values() if s.found_inf is not None] + self._retired
+        found = self._iteration.flags(self._sync)
         if not found:
             raise RuntimeError(
                 "update() was called but no optimizer's gradients were checked for inf/NaN since the "
@@ -336,8 +318,7 @@ class LossScaler:
 
     def stage(self, optimizer: Any) -> Literal["ready", "unscaled", "stepped"]:
         """Where ``optimizer`` stands in this iteration: gradients still scaled, unscaled, or stepped."""
-        state = self._states.get(id(unwrap_optimizer(optimizer)))
-        stage = _Stage.READY if state is None else state.stage
+        stage = self._iteration.stage(id(unwrap_optimizer(optimizer)))
         return cast(Literal["ready", "unscaled", "stepped"], stage.name.lower())
 
     def found_inf(self, optimizer: Any) -> Tensor | None:
@@ -345,30 +326,8 @@ class LossScaler:
 
         ``None`` until its gradients were checked (by ``unscale_``, a clip or ``step``).
         """
-        state = self._states.get(id(unwrap_optimizer(optimizer)))
+        state = self._iteration.get(id(unwrap_optimizer(optimizer)))
         return None if state is None else state.found_inf
-
-    def recheck_(self, optimizer: Any) -> None:
-        """Mark the step as overflowing if an unscaled gradient of ``optimizer`` is now inf/NaN.
-
-        For changes made after ``unscale_`` or a clip (hooks, penalties): one read of the
-        gradients. Before ``unscale_`` there is nothing to do (``step`` checks the gradients
-        then). The flag is agreed across ranks again before the step.
-        """
-        if not self._enabled:
-            return
-        opt = unwrap_optimizer(optimizer)
-        state = self._states.get(id(opt))
-        if state is None or state.stage is _Stage.READY:
-            return
-        if state.stage is _Stage.STEPPED or state.found_inf is None:
-            raise RuntimeError(
-                "recheck_() was called after step() on this optimizer. HINT: recheck before step()."
-            )
-        norm = self._backend().norm(gradients_to_unscale(opt))  # non-finite exactly when a gradient is
-        nonfinite = (~torch.isfinite(norm)).float().to(state.found_inf.device)
-        torch.maximum(state.found_inf, nonfinite, out=state.found_inf)
-        state.synced = False
 
     @property
     def skipped_steps(self) -> int:
@@ -379,85 +338,6 @@ class LossScaler:
     def last_step_skipped(self) -> bool:
         """Whether the iteration closed by the last ``update()`` was skipped."""
         return self._policy.last_skipped()
-
-    # -- clipping on unscaled gradients ----------------------------------------------------
-
-    def clip_grad_norm_(
-        self,
-        optimizer: Any,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        *,
-        sharded: bool = False,
-    ) -> Tensor:
-        """Clip the optimizer's gradients by their unscaled total norm; return that norm.
-
-        Before ``unscale_`` the norm and the inf check come from one read of the scaled
-        gradients, then one multiply applies ``clip_coef / scale`` (for a fused optimizer
-        the factor goes into its ``grad_scale`` instead). Equal to ``unscale_`` followed by
-        ``torch.nn.utils.clip_grad_norm_`` up to fp32 rounding. A non-finite norm marks the
-        step as overflowing, also after an explicit ``unscale_``. With ``sharded=True`` the
-        optimizer holds only this rank's shard of the gradients, and the norm is that of
-        all shards across ``process_group`` (one extra collective of one element).
-        """
-        call = "LossScaler.clip_grad_norm_"
-        max_norm = check_number(call, "max_norm", max_norm, low=0.0, hint="e.g. max_norm=1.0.")
-        norm_type = _scaler_rules.check_norm_type(call, norm_type)
-        error_if_nonfinite = check_bool(call, "error_if_nonfinite", error_if_nonfinite)
-        sharded = check_bool(call, "sharded", sharded)
-        opt = unwrap_optimizer(optimizer)
-        grads = clipping.gradients(opt.param_groups)
-        kernels = distributed.GlobalNormKernels(self._backend(), self.process_group) if sharded else None
-        if not self._enabled:
-            return clipping.clip_grad_norm_(kernels or self._backend(), grads, max_norm, norm_type).total_norm
-        state = self._clippable_state(opt, call)
-        ready = state.stage is _Stage.READY
-        carried = self._carried_factor(opt) if ready else state.grad_scale
-        # Fold only while the gradients still carry a factor: once unscaled in memory, the
-        # in-place multiply is torch's own recipe, bit for bit.
-        fold = carried is not None and handles_unscaling(opt)
-        result = clipping.clip_grad_norm_(
-            kernels or self._backend(), grads, max_norm, norm_type,
-            grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
-        )  # fmt: skip
-        if ready or state.found_inf is None:
-            state.found_inf, state.synced = result.found_inf, sharded  # a global norm is agreed already
-        else:
-            torch.maximum(state.found_inf, result.found_inf.to(state.found_inf), out=state.found_inf)
-            state.synced = state.synced and sharded
-        state.stage, state.grad_scale = _Stage.UNSCALED, result.grad_scale
-        return result.total_norm
-
-    def grad_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
-        """The total norm of the optimizer's unscaled gradients, leaving them as they are (one read)."""
-        norm_type = _scaler_rules.check_norm_type("LossScaler.grad_norm", norm_type)
-        opt = unwrap_optimizer(optimizer)
-        norm = self._backend().norm(clipping.gradients(opt.param_groups), norm_type)
-        state = self._states.get(id(opt))
-        if not self._enabled or self._policy.scale is None:
-            return norm
-        carried = (
-            self._carried_factor(opt) if state is None or state.stage is _Stage.READY else state.grad_scale
-        )
-        return norm if carried is None else norm / carried.to(norm)
-
-    def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
-        """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
-        clip_value = check_number("LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0,
-                                  hint="e.g. clip_value=0.5.")  # fmt: skip
-        opt = unwrap_optimizer(optimizer)
-        grads = clipping.gradients(opt.param_groups)
-        if self._enabled:
-            state = self._clippable_state(opt, "LossScaler.clip_grad_value_")
-            if state.stage is _Stage.READY:
-                self.unscale_(opt)
-            elif state.grad_scale is not None:  # a folded norm clip: materialise it first
-                self._backend().mul_(grads, state.grad_scale.reciprocal())
-                state.grad_scale = None
-        torch.nn.utils.clip_grad_value_(
-            [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip_value
-        )
 
     # -- checkpoints and pickling ----------------------------------------------------------
 
@@ -502,45 +382,31 @@ class LossScaler:
         return self._policy.scale
 
     def _require_between_iterations(self, what: str, hint: str) -> None:
-        if self._scaled or self._states or self._retired:
+        if self._iteration.in_flight():
             raise RuntimeError(
                 f"LossScaler {what} is refused in the middle of an iteration (scale() or unscale_/step "
                 f"happened since the last update()): the gradients in flight carry this scale. HINT: {hint}"
             )
 
-    def _state(self, opt: Any, call: str) -> _OptimizerState:
+    def _state(self, opt: Any, call: str) -> OptimizerState:
         self._require_scale(call)
-        return self._states.setdefault(id(opt), _OptimizerState())
+        return self._iteration.open(id(opt))
 
-    def _clippable_state(self, opt: Any, call: str) -> _OptimizerState:
-        state = self._state(opt, call)
-        if state.stage is _Stage.STEPPED:
-            raise RuntimeError(
-                f"{call}() was called after step() on this optimizer. HINT: clip before step()."
-            )
-        return state
-
-    def _carried_factor(self, opt: Any) -> Tensor:
-        """What still-scaled gradients carry: the scale, times a fused optimizer's preset ``grad_scale``."""
-        scale = self._require_scale("clip")
-        preset = getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
-        return scale if preset is None else scale * preset
-
-    def _sync(self, state: _OptimizerState) -> None:
+    def _sync(self, state: OptimizerState) -> None:
         if state.synced or state.found_inf is None:
             return
         if distributed.sync_enabled(self._sync_mode, self.process_group):
             distributed.all_reduce_found_inf(state.found_inf, self.process_group)
         state.synced = True
 
-    def _fused_step(self, opt: Any, optimizer: Any, state: _OptimizerState, *args: Any, **kwargs: Any) -> Any:
-        if "grad_scaler" in inspect.signature(opt.step).parameters:
-            warnings.warn(_GRAD_SCALER_KWARG_WARNING, FutureWarning, stacklevel=3)
-            try:  # the optimizer asks this scaler for what it needs (unscale_, get_scale, ...)
+    def _fused_step(self, opt: Any, optimizer: Any, state: OptimizerState, *args: Any, **kwargs: Any) -> Any:
+        if takes_grad_scaler(opt):  # the optimizer asks this scaler for what it needs (torch's old contract)
+            warnings.warn(GRAD_SCALER_KWARG_WARNING, FutureWarning, stacklevel=3)
+            try:  # the optimizer may call unscale_ on this scaler from inside its step
                 return optimizer.step(*args, **kwargs, grad_scaler=self)
             finally:
-                state.stage = _Stage.STEPPED
-        if state.stage is _Stage.READY:
+                state.stage = Stage.STEPPED
+        if state.stage is Stage.READY:
             scale = self._require_scale("step")
             state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
             self._backend().unscale_(
@@ -552,30 +418,21 @@ class LossScaler:
                 state.grad_scale if state.grad_scale is not None else getattr(opt, "grad_scale", None)
             )
         self._sync(state)
-        opt.grad_scale, opt.found_inf = grad_scale, state.found_inf
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            del opt.grad_scale, opt.found_inf
-            state.stage = _Stage.STEPPED
+        state.stage = Stage.STEPPED
+        return step_with_amp_attributes(opt, optimizer, grad_scale, state.found_inf, *args, **kwargs)
 
     def _end_iteration(self) -> None:
-        self._states.clear()
-        self._retired.clear()
-        self._scaled = False
+        self._iteration.clear()
 
     # -- used by AMPPrecision for Lightning's control flow -----------------------------------
 
     def _rearm(self, optimizer: Any) -> None:
         """Let ``optimizer`` be unscaled and stepped again before ``update()``; keep its inf flag for it."""
-        state = self._states.pop(id(unwrap_optimizer(optimizer)), None)
-        if state is not None and state.found_inf is not None:
-            self._sync(state)
-            self._retired.append(state.found_inf)
+        self._iteration.rearm(id(unwrap_optimizer(optimizer)), self._sync)
 
     def _forget(self, optimizer: Any) -> None:
         """Drop this iteration's state of ``optimizer``: its gradients will not be stepped."""
-        self._states.pop(id(unwrap_optimizer(optimizer)), None)
+        self._iteration.forget(id(unwrap_optimizer(optimizer)))
 
 
 _ORDER = "per iteration: scale(loss).backward(), optionally unscale_/clip, step(optimizer), update()."
