@@ -157,7 +157,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST), default="none", help="CPU autocast dtype")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 3 samples of a small model")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.warmup, args.d_model, args.layers, args.seq = 3, 1, 64, 1, 16
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "result.json"))

@@ -101,7 +101,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=Config.batch_size, help="the quickstart's by default")
     parser.add_argument("--logdir", type=Path, default=Path("/tmp/amp_plugin_monitor_overhead"))
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 12 steps, 1 sample, small model")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.skip, args.repeats, args.d_model, args.batch = 12, 2, 1, 64, 16
     if not 1 <= args.skip < args.steps:
         parser.error(f"--skip={args.skip} must be in [1, --steps) so that some steps are timed")
     return args
