@@ -38,10 +38,10 @@ class DynamicScale:
     Example:
         >>> s = DynamicScale(8.0, 2.0, 0.5, 2000, min_scale=2.0)
         >>> _ = s.ensure(torch.device("cpu"))
-        >>> for _ in range(4):
-        ...     s.update_(torch.tensor(1.0))  # four overflows in a row
+        >>> for _ in range(2):
+        ...     s.update_(torch.tensor(1.0))  # two overflows in a row: 8 -> 4 -> 2, the floor
         >>> s.value(), s.skipped_steps(), s.total_steps
-        (2.0, 4, 4)
+        (2.0, 2, 2)
     """
 
     def __init__(
