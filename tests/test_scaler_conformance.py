@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from amp_plugin import LossScaler
-from tests.unit._scaler_twins import (
+from tests._scaler_twins import (
     OPTIMIZERS,
     POISONS,
     WHERE,

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tests.unit._scaler_twins import (
+from tests._scaler_twins import (
     OPTIMIZERS,
     POISONS,
     assert_same_snapshots,

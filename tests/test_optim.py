@@ -1,0 +1,61 @@
+"""Optimizer helpers: unwrapping, gradient tensors to unscale, and the fused-step attribute contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from amp_plugin.optim import (
+    gradients_to_unscale,
+    handles_unscaling,
+    step_with_amp_attributes,
+    unwrap_optimizer,
+)
+
+
+def _sgd(**kwargs: object) -> torch.optim.SGD:
+    return torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1, **kwargs)  # type: ignore[arg-type]
+
+
+def test_unwrap_follows_optimizer_and_private_optimizer_attributes() -> None:
+    inner = _sgd()
+
+    class Outer:
+        def __init__(self, wrapped: object) -> None:
+            self._optimizer = wrapped
+
+    class Middle:
+        def __init__(self, wrapped: object) -> None:
+            self.optimizer = wrapped
+
+    assert unwrap_optimizer(Outer(inner)) is inner
+    assert unwrap_optimizer(Middle(inner)) is inner
+    with pytest.raises(TypeError, match="HINT"):
+        unwrap_optimizer(object())
+
+
+def test_handles_unscaling_only_for_fused_optimizers() -> None:
+    assert not handles_unscaling(_sgd())
+    assert handles_unscaling(_sgd(fused=True))
+
+
+def test_sparse_gradients_contribute_their_values_and_fp16_ones_are_coalesced() -> None:
+    emb = nn.Embedding(5, 2, sparse=True).half()
+    emb(torch.tensor([1, 1, 3])).float().sum().backward()
+    assert not emb.weight.grad.is_coalesced()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    (values,) = gradients_to_unscale(opt)
+    assert emb.weight.grad.is_coalesced() and values.shape == (2, 2)
+
+
+def test_amp_attributes_are_removed_even_when_the_step_raises() -> None:
+    opt = _sgd(fused=True)
+
+    def broken_step(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    opt.step = broken_step  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="boom"):
+        step_with_amp_attributes(opt, opt, torch.tensor(2.0), torch.zeros(()))
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
