@@ -5,12 +5,7 @@ scaler runs torch's state machine (READY -> UNSCALED -> STEPPED, reset by ``upda
 and tracks the factor the gradients in memory still carry, so that clipping never acts
 on scaled values and can be folded into a fused optimizer's step.
 
-What is checked for inf/NaN, and when: ``unscale_`` (or ``step`` without it) checks the
-gradients as they arrive; ``clip_grad_norm_`` checks its norm, so a change made after
-``unscale_`` and before the clip is caught; ``recheck_`` reads the gradients once more
-for changes made after that. ``step`` after an explicit ``unscale_`` does not read the
-gradients again (as in torch), so call ``recheck_`` when code between the two may have
-written inf/NaN into them.
+Which changes to the gradients are checked for inf/NaN, and when, is in ``docs/scaler.md``.
 """
 
 from __future__ import annotations
@@ -111,7 +106,6 @@ class LossScaler(clipping.UnscaledClipping):
                 "LossScaler('cuda') is enabled, but CUDA is not available. Disabling.", stacklevel=2
             )
             enabled = False
-        self._device = device_type
         self._enabled = enabled
         self._policy = policy
         self._kernels: Kernels | None = None
