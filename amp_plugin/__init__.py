@@ -1,7 +1,8 @@
 """amp_plugin: automatic mixed precision for PyTorch Lightning that long runs can trust.
 
 ``import amp_plugin`` imports neither Lightning nor Apex and does not initialise CUDA.
-The Lightning pieces (:class:`AMPPrecision`, :class:`LossScaleMonitor`) load on first use.
+The Lightning pieces (:class:`AMPPrecision`, :class:`LossScaleMonitor`, at home in
+:mod:`amp_plugin.lightning`) load on first use.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from amp_plugin.kernels import get_kernels
 from amp_plugin.scaler import LossScaler
 
 if TYPE_CHECKING:
-    from amp_plugin.callbacks import LossScaleMonitor
-    from amp_plugin.plugin import AMPPrecision
+    from amp_plugin.lightning import AMPPrecision, LossScaleMonitor
 
 __version__ = "0.1.0"
 
@@ -28,7 +28,7 @@ __all__ = [
     "propagate_autocast",
 ]
 
-_LAZY = {"AMPPrecision": "amp_plugin.plugin", "LossScaleMonitor": "amp_plugin.callbacks"}
+_LAZY = {"AMPPrecision": "amp_plugin.lightning", "LossScaleMonitor": "amp_plugin.lightning"}
 
 
 def __getattr__(name: str) -> Any:

@@ -134,17 +134,3 @@ def test_nan_from_a_hook_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) ->
     assert r0["skipped"] == r1["skipped"] == 1  # rank 0 saw no NaN and skipped too
     assert r0["scales"] == r1["scales"] == [2.0**8, 2.0**7, 2.0**7]
     assert r0["params_equal_across_ranks"] and r0["params_finite"]
-
-
-def test_fsdp_strategy_refuses_the_plugin_loudly() -> None:
-    """Lightning's FSDP strategy accepts only its FSDPPrecision: the failure is loud, never silent."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    with pytest.raises(TypeError, match="FSDPPrecision"):
-        FSDPStrategy(precision_plugin=AMPPrecision("16-mixed", device="cpu"))
-
-
-@pytest.mark.cuda
-def test_fsdp_trainer_refuses_the_plugin_on_cuda() -> None:
-    with pytest.raises((TypeError, ValueError), match="FSDPPrecision"):
-        Trainer(accelerator="cuda", devices=1, strategy="fsdp", plugins=[AMPPrecision("16-mixed")])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -351,32 +350,6 @@ def test_loads_a_lightning_mixed_precision_checkpoint(tmp_path: Path) -> None:
     assert plugin.scaler.growth_interval == 2
 
 
-def test_legacy_native_amp_key_loads() -> None:
-    plugin = AMPPrecision("16-mixed", device="cpu")
-    plugin.on_load_checkpoint(
-        {"native_amp_scaling_state": torch.amp.GradScaler("cpu", init_scale=8.0).state_dict()}
-    )
-    assert plugin.scaler is not None and plugin.scaler.get_scale() == 8.0
-
-
-@pytest.mark.parametrize(
-    "entry",
-    [
-        {"scaler": {"scale": 2.0}},
-        "garbage",
-        {"no_scaler": 1},
-        {"scaler": {**LossScaler().state_dict(), "x": 1}},
-    ],
-)
-def test_corrupt_checkpoint_entry_raises_and_changes_nothing(entry: Any) -> None:
-    plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=4.0))
-    assert plugin.scaler is not None
-    before = copy.deepcopy(plugin.scaler.state_dict())
-    with pytest.raises(ValueError, match="HINT"):
-        plugin.on_load_checkpoint({CHECKPOINT_KEY: entry})
-    assert plugin.scaler.state_dict() == before
-
-
 def test_auto_picks_bf16_on_cpu_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     module = TinyModule(poison=())
     plugin = AMPPrecision("auto")
@@ -433,41 +406,3 @@ def test_plain_data_parallel_under_bf16_warns() -> None:
     module.net = nn.DataParallel(module.net)  # type: ignore[assignment]
     with pytest.warns(UserWarning, match="AutocastDataParallel"):
         _fit(module, AMPPrecision("bf16-mixed"), steps=1)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"precision": "16"}, ValueError, r"Unknown precision '16'.*HINT: use '16-mixed'"),
-        ({"precision": "fp32"}, ValueError, r"allowed: 16-mixed, bf16-mixed, auto"),
-        ({"precision": "bf16-mixed", "scaler": LossScaler()}, ValueError, "does not use a loss scaler"),
-        ({"precision": "auto", "scaler": LossScaler()}, ValueError, "ambiguous"),
-        (
-            {"precision": "16-mixed", "scaler": "GradScaler"},
-            TypeError,
-            "not allowed: an amp_plugin.LossScaler",
-        ),
-        ({"precision": "16-mixed", "kernels": "fast"}, ValueError, "kernels='fast'"),
-        ({"precision": "16-mixed", "clip_fused": "yes"}, ValueError, "clip_fused='yes'"),
-        ({"precision": "16-mixed", "lr_on_skip": "skip"}, ValueError, "lr_on_skip='skip'"),
-        ({"precision": "16-mixed", "fp32_modules": [int]}, TypeError, "HINT"),
-        (
-            {"precision": "16-mixed", "device": "meta"},
-            ValueError,
-            r"not available for device type 'meta'.*HINT",
-        ),
-        ({"precision": "16-mixed", "device": "gpu"}, ValueError, r"device='gpu'.*HINT.*'cuda'"),
-        ({"precision": "16-mixed", "device": ""}, ValueError, r"device=''.*HINT"),
-        ({"precision": "16-mixed", "device": 0}, TypeError, r"device=0.*HINT"),
-        ({"precision": "16-mixed", "clip_fused": 1}, ValueError, r"clip_fused=1"),
-        ({"precision": "16-mixed", "clip_fused": "True"}, ValueError, r"clip_fused='True'"),
-    ],
-)
-def test_bad_arguments_raise_clearly(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
-    with pytest.raises(error, match=match):
-        AMPPrecision(**kwargs)
-
-
-def test_a_bare_fp32_module_class_gets_our_message() -> None:
-    with pytest.raises(TypeError, match=r"classes=<class .*LayerNorm'>; allowed: a tuple .*HINT"):
-        AMPPrecision("bf16-mixed", fp32_modules=nn.LayerNorm)  # type: ignore[arg-type]

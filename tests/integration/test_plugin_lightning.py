@@ -1,4 +1,4 @@
-"""AMPPrecision as a drop-in for Lightning: a MixedPrecision; GradScaler input; bad input; checkpoints."""
+"""AMPPrecision as a drop-in for Lightning, in Trainer.fit runs: the internals it reads; checkpoints."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import throughput_monitor
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaler
-from amp_plugin import plugin as plugin_module
+from amp_plugin.lightning import _compat
 from amp_plugin.plugin import CHECKPOINT_KEY
 
 
@@ -51,40 +50,49 @@ def _trainer(plugin: Any, steps: int = 2, **kwargs: Any) -> Trainer:
 
 # -- 4. a MixedPrecision to Lightning ------------------------------------------------------------
 
-
-@pytest.mark.parametrize(
-    ("precision", "dtype"), [("16-mixed", torch.float16), ("bf16-mixed", torch.bfloat16)]
-)
-def test_lightning_treats_it_as_mixed_precision(precision: str, dtype: torch.dtype) -> None:
-    plugin = AMPPrecision(precision, device="cpu")  # type: ignore[arg-type]
-    assert isinstance(plugin, MixedPrecision)
-    # What ThroughputMonitor.setup computes its FLOPs for (it reported float32 for both before).
-    assert throughput_monitor._plugin_to_compute_dtype(plugin) == dtype
+PINNED = ["after_closure", "attached_trainer", "logged_step", "should_update_logs"]
 
 
-def test_every_mixed_precision_method_is_our_own() -> None:
-    """Methods inherited from MixedPrecision would drive a torch GradScaler; a new one must fail here."""
-    inherited = {name for name, value in vars(MixedPrecision).items() if inspect.isfunction(value)}
-    inherited |= {n for n, v in vars(MixedPrecision).items() if isinstance(v, (staticmethod, classmethod))}
-    assert inherited <= set(vars(AMPPrecision)), sorted(inherited - set(vars(AMPPrecision)))
+class _LoggingWatch(Callback):
+    """What LossScaleMonitor reads of Lightning's logging state, batch by batch."""
+
+    def __init__(self) -> None:
+        self.logged: list[bool] = []
+        self.steps: list[int] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, i: int) -> None:
+        self.logged.append(_compat.should_update_logs(trainer))
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        self.steps.append(_compat.logged_step(trainer))
 
 
 def test_lightning_internals_we_read_still_exist() -> None:
-    """Pins each Lightning internal listed in plugin.py's compat section: a rename fails here."""
+    """Pins every entry of amp_plugin/lightning/_compat.py and what it notes: a rename fails here."""
+    assert sorted(_compat.__all__) == PINNED, "a new _compat entry needs its pin below"
     module = _Module()
-    assert plugin_module._compat_trainer(module) is None
-    trainer = _trainer(AMPPrecision("bf16-mixed", device="cpu"), steps=1)
+    assert _compat.attached_trainer(module) is None
+    watch = _LoggingWatch()
+    trainer = _trainer(
+        AMPPrecision("bf16-mixed", device="cpu"), steps=4, callbacks=[watch], log_every_n_steps=2
+    )
     trainer.fit(module, _loader())
-    assert plugin_module._compat_trainer(module) is trainer
+    assert _compat.attached_trainer(module) is trainer
+    assert watch.logged == [False, True, False, True]  # every log_every_n_steps-th batch
+    assert watch.steps == [0, 1, 2, 3]  # where the batch's own self.log metrics go: steps before it
     # We override Precision._after_closure, the hook Lightning calls between the closure and the step.
     assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
     assert "_after_closure" in inspect.getsource(MixedPrecision.optimizer_step)
     assert "_after_closure" in inspect.getsource(Precision._wrap_closure)
+    seen: list[Any] = []
+    module.on_before_optimizer_step = seen.append  # type: ignore[method-assign]
+    _compat.after_closure(trainer.precision_plugin, module, trainer.optimizers[0])
+    assert seen == [trainer.optimizers[0]]
 
 
 def test_a_callback_that_observes_gradients_takes_the_observing_path() -> None:
-    from lightning.pytorch import Callback
-
     class Observer(Callback):
         def on_before_optimizer_step(
             self, trainer: Trainer, pl_module: LightningModule, optimizer: Any
@@ -99,67 +107,7 @@ def test_a_callback_that_observes_gradients_takes_the_observing_path() -> None:
     assert plugin._fast_clip
 
 
-# -- 5. a torch.amp.GradScaler is accepted --------------------------------------------------------
-
-
-def _stepped_grad_scaler() -> torch.amp.GradScaler:
-    scaler = torch.amp.GradScaler(
-        "cpu", init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3
-    )
-    model = nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for i in range(5):
-        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
-        if i == 1:
-            model.weight.grad.fill_(math.inf)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-    return scaler
-
-
-def test_a_grad_scaler_is_converted_with_its_settings_and_state() -> None:
-    grad_scaler = _stepped_grad_scaler()
-    plugin = AMPPrecision("16-mixed", device="cpu", scaler=grad_scaler)  # type: ignore[arg-type]
-    scaler = plugin.scaler
-    assert isinstance(scaler, LossScaler)
-    assert scaler.get_scale() == grad_scaler.get_scale() == 1024.0 * 0.25 * 4.0
-    assert (scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == (4.0, 0.25, 3)
-    assert scaler.state_dict()["_growth_tracker"] == grad_scaler.state_dict()["_growth_tracker"] == 0
-    grad_scaler2 = _stepped_grad_scaler()
-    model = nn.Linear(2, 1)  # one more clean step: the tracker carries on from the GradScaler's
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for s in (scaler, grad_scaler2):
-        s.scale(model(torch.ones(1, 2)).sum()).backward()
-        s.step(opt)
-        s.update()
-    assert scaler.state_dict()["_growth_tracker"] == grad_scaler2.state_dict()["_growth_tracker"] == 1
-
-
 # -- 6. bad input ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"clip_fused": 1}, ValueError, r"clip_fused=1\) is not allowed: one of 'auto', True, False\. HINT"),
-        ({"clip_fused": "True"}, ValueError, r"clip_fused='True'\) is not allowed.*HINT"),
-        (
-            {"lr_on_skip": None},
-            ValueError,
-            r"lr_on_skip=None\) is not allowed: one of 'hold', 'advance'\. HINT",
-        ),
-        (
-            {"scaler": "LossScaler"},
-            TypeError,
-            r"scaler='LossScaler'\) is not allowed: an amp_plugin\.LossScaler or a torch\.amp\.GradScaler\. "
-            "HINT",
-        ),
-    ],
-)
-def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
-    with pytest.raises(error, match=match):
-        AMPPrecision("16-mixed", device="cpu", **kwargs)
 
 
 def _corrupt_entries() -> list[Any]:
@@ -218,18 +166,6 @@ def test_the_module_can_refuse_a_corrupt_entry_before_its_weights_are_replaced(
         assert torch.equal(value, weights[name]), name
 
 
-def test_check_checkpoint_accepts_what_loads() -> None:
-    plugin = AMPPrecision("16-mixed", device="cpu")
-    good = LossScaler(init_scale=8.0).state_dict()
-    for checkpoint in (
-        {CHECKPOINT_KEY: {"precision": "16-mixed", "scaler": good}},
-        {"MixedPrecision": good},
-        {},
-    ):
-        plugin.check_checkpoint(checkpoint)
-    assert plugin.scaler is not None and plugin.scaler.get_scale() == 2.0**16  # checking loads nothing
-
-
 # -- the step-interval scheduler wrapper ------------------------------------------------------------
 
 
@@ -238,7 +174,7 @@ def _wrapped_scheduler() -> Any:
     trainer = _trainer(plugin, steps=2)
     trainer.fit(_Module(), _loader())
     scheduler = trainer.lr_scheduler_configs[0].scheduler
-    assert type(scheduler).__name__ == "_SkipAwareScheduler"
+    assert type(scheduler).__name__ == "SkipAwareScheduler"
     return scheduler
 
 

@@ -1,0 +1,17 @@
+"""The Lightning adapters: the only part of amp_plugin that imports ``lightning``.
+
+``from amp_plugin import AMPPrecision, LossScaleMonitor`` is the usual import (it loads this
+package on first use); ``amp_plugin.plugin`` and ``amp_plugin.callbacks`` still re-export them.
+
+- :class:`AMPPrecision` (``plugin.py``): the precision plugin, a Lightning ``MixedPrecision``.
+- :class:`LossScaleMonitor` (``monitor.py``): the callback that logs and judges the loss scaler.
+- :data:`CHECKPOINT_KEY` (``checkpoint.py``): where the scaler state sits in a checkpoint.
+"""
+
+from __future__ import annotations
+
+from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY
+from amp_plugin.lightning.monitor import LossScaleMonitor
+from amp_plugin.lightning.plugin import AMPPrecision
+
+__all__ = ["CHECKPOINT_KEY", "AMPPrecision", "LossScaleMonitor"]

@@ -1,0 +1,83 @@
+"""Every read of a private Lightning name, in one place.
+
+Each function below reads one Lightning internal; ``test_lightning_internals_we_read_still_exist``
+in ``tests/integration/test_plugin_lightning.py`` pins every entry of ``__all__``, so a Lightning
+upgrade that renames one fails there rather than in a user's run. Also relied upon:
+
+- ``Precision._after_closure`` is overridden by ``AMPPrecision``: Lightning calls it between the
+  closure and the step (from ``Precision._wrap_closure`` and ``MixedPrecision.optimizer_step``).
+- Lightning files a precision plugin's non-empty ``state_dict`` under the class's ``__qualname__``
+  (``"MixedPrecision"`` for its own; the pre-2.0 key was ``"native_amp_scaling_state"``), which is
+  where :mod:`amp_plugin.lightning.checkpoint` looks for a foreign scaler state. Lightning also loads
+  ``checkpoint["native_amp_scaling_state"]`` into any MixedPrecision after ``on_load_checkpoint``
+  has loaded it: the same state twice, which changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+
+__all__ = ["after_closure", "attached_trainer", "logged_step", "should_update_logs"]
+
+
+def attached_trainer(module: LightningModule) -> Trainer | None:
+    """The Trainer ``module`` is attached to, or ``None``: reads ``LightningModule._trainer``.
+
+    The public ``module.trainer`` raises while no Trainer is attached.
+
+    Example:
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> attached_trainer(BoringModel()) is None
+        True
+    """
+    return module._trainer
+
+
+def after_closure(precision: Precision, model: LightningModule, optimizer: Any) -> None:
+    """Run Lightning's own ``Precision._after_closure``: ``on_before_optimizer_step`` hooks, then clipping.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> class Model(BoringModel):
+        ...     def on_before_optimizer_step(self, optimizer):
+        ...         print("on_before_optimizer_step")
+        >>> model = Model()
+        >>> trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+        ...                   enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(model)
+        on_before_optimizer_step
+        >>> after_closure(trainer.precision_plugin, model, trainer.optimizers[0])
+        on_before_optimizer_step
+    """
+    Precision._after_closure(precision, model, optimizer)
+
+
+def should_update_logs(trainer: Trainer) -> bool:
+    """Whether Lightning logs the current batch (``log_every_n_steps``).
+
+    Reads ``trainer._logger_connector.should_update_logs``, the predicate Lightning's own
+    LearningRateMonitor and DeviceStatsMonitor read.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> should_update_logs(Trainer(accelerator="cpu", log_every_n_steps=0, logger=False))
+        False
+    """
+    return bool(trainer._logger_connector.should_update_logs)
+
+
+def logged_step(trainer: Trainer) -> int:
+    """The step under which Lightning files the current batch's metrics.
+
+    Reads ``trainer.fit_loop.epoch_loop._batches_that_stepped``, as Lightning's LearningRateMonitor does.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> logged_step(Trainer(accelerator="cpu", logger=False))
+        0
+    """
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)

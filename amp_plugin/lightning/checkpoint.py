@@ -1,0 +1,100 @@
+"""Where ``AMPPrecision`` keeps the loss-scaler state in a Lightning checkpoint, and how it reads it back.
+
+The entry sits under :data:`CHECKPOINT_KEY`, not under the plugin's class name as Lightning would
+file a non-empty ``Precision.state_dict``: a rename or a subclass would orphan that. A checkpoint
+written by Lightning's ``MixedPrecision`` (under its class name, or the pre-2.0
+``native_amp_scaling_state``) loads too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from amp_plugin.scaler import LossScaler
+
+__all__ = ["CHECKPOINT_KEY", "check_scaler_state", "checkpoint_entry", "load_scaler_state", "scaler_state"]
+
+CHECKPOINT_KEY = "amp_plugin"
+# Where Lightning's MixedPrecision keeps its GradScaler state: its class name, and the pre-2.0 key.
+_FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
+
+
+def checkpoint_entry(precision: str, scaler: LossScaler | None) -> dict[str, Any]:
+    """What ``AMPPrecision`` saves under :data:`CHECKPOINT_KEY`: its precision and the scaler's state.
+
+    Example:
+        >>> entry = checkpoint_entry("16-mixed", LossScaler("cpu", init_scale=8.0))
+        >>> entry["precision"], entry["scaler"]["scale"]
+        ('16-mixed', 8.0)
+        >>> checkpoint_entry("bf16-mixed", None)
+        {'precision': 'bf16-mixed', 'scaler': {}}
+    """
+    return {"precision": precision, "scaler": scaler.state_dict() if scaler is not None else {}}
+
+
+def scaler_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The loss-scaler state in a checkpoint (ours, or MixedPrecision's), ``None`` if it has none.
+
+    Raises:
+        ValueError: the entry under :data:`CHECKPOINT_KEY` is not a dict with a dict ``"scaler"``.
+
+    Example:
+        >>> scaler_state({CHECKPOINT_KEY: {"precision": "16-mixed", "scaler": {"scale": 8.0}}})
+        {'scale': 8.0}
+        >>> scaler_state({"MixedPrecision": {"scale": 4.0}}), scaler_state({})
+        ({'scale': 4.0}, None)
+    """
+    entry = checkpoint.get(CHECKPOINT_KEY)
+    if entry is None:
+        entry = next(({"scaler": checkpoint[key]} for key in _FOREIGN_KEYS if key in checkpoint), None)
+        if entry is None:
+            return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("scaler"), dict):
+        raise ValueError(
+            f"The checkpoint's {CHECKPOINT_KEY!r} entry is {type(entry).__name__} {entry!r:.80}; "
+            "expected a dict whose 'scaler' is a loss-scaler state dict. HINT: the checkpoint is corrupt "
+            "or was written by another program; resume without ckpt_path or fix the entry."
+        )
+    return entry["scaler"]  # type: ignore[no-any-return]
+
+
+def check_scaler_state(checkpoint: dict[str, Any], scaler: LossScaler | None) -> None:
+    """Raise ``ValueError`` if the checkpoint's scaler state would not load into ``scaler``; change nothing.
+
+    Example:
+        >>> scaler = LossScaler("cpu")
+        >>> check_scaler_state({CHECKPOINT_KEY: {"scaler": LossScaler("cpu").state_dict()}}, scaler)
+        >>> check_scaler_state({CHECKPOINT_KEY: ["not", "a", "dict"]}, scaler)
+        Traceback (most recent call last):
+        ...
+        ValueError: The checkpoint's 'amp_plugin' entry is list ['not', 'a', 'dict']; ... HINT: ...
+    """
+    state = scaler_state(checkpoint)
+    if state and scaler is not None and scaler.is_enabled():
+        scaler.check_state_dict(state)
+
+
+def load_scaler_state(scaler: LossScaler | None, state_dict: dict[str, Any]) -> None:
+    """Load a scaler state (from ``AMPPrecision``, ``LossScaler`` or ``torch.amp.GradScaler``).
+
+    Warns instead when only one side has a state: a bf16 run has no scaler, a bf16 checkpoint no state.
+
+    Example:
+        >>> scaler = LossScaler("cpu")
+        >>> load_scaler_state(scaler, LossScaler("cpu", init_scale=8.0).state_dict())
+        >>> scaler.get_scale()
+        8.0
+    """
+    if scaler is not None and state_dict:
+        scaler.load_state_dict(state_dict)
+    elif scaler is not None:  # stacklevel=5: the warning names the caller's line, not this helper's
+        rank_zero_warn(
+            "The checkpoint holds no loss-scaler state (a bf16 run?); the scale starts afresh.", stacklevel=5
+        )
+    elif state_dict:
+        rank_zero_warn(
+            "The checkpoint holds a loss-scaler state, but this bf16 run has no scaler: ignored.",
+            stacklevel=5,
+        )

@@ -1,0 +1,376 @@
+"""``LossScaleMonitor``: what the loss scaler does, in the Trainer's logger and in words.
+
+Cost model (see ``docs/monitoring.md``): per optimizer step the monitor reads one flag,
+``AMPPrecision.last_step_skipped`` (one host sync; a non-fused scaler step has already synced
+on the same flag, and bf16 has no flag to read). The scale, the skip count and the gradient
+norm are read only on steps that Lightning logs (``Trainer(log_every_n_steps=...)``) and on
+skipped steps. The gradient norm is the one the clip computed; without clipping it is asked for
+on logged steps only (``AMPPrecision.request_grad_norm``). The monitor overrides neither
+``on_before_optimizer_step`` nor ``configure_gradient_clipping``, so the plugin keeps its
+fast clipping path. Forensics and tracing run only when asked for or when a step was skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from amp_plugin import clipping, diagnostics
+from amp_plugin.health import (
+    SHOWN_FLAGS,
+    HealthState,
+    HealthVerdict,
+    ScaleRecord,
+    SkipHealth,
+    check_monitor_state,
+    plot_history,
+    validate_monitor_options,
+    validate_policy,
+)
+from amp_plugin.lightning import _compat
+from amp_plugin.lightning.plugin import AMPPrecision
+
+__all__ = ["LossScaleMonitor"]
+
+_MAX_RECORDS = 10_000  # history kept for the plot and the checkpoint; halved (every other row) when full
+
+
+class LossScaleMonitor(Callback):
+    """Log the loss scale, skipped steps and gradient norm; judge the run's health; find inf/NaN.
+
+    Logged through every logger the Trainer has, on the steps Lightning logs
+    (``log_every_n_steps``): ``amp/scale`` (fp16 only), ``amp/skipped_steps``, ``amp/skip_rate``
+    (over the last ``window`` steps), ``amp/grad_norm`` (unscaled, before clipping) and, with
+    ``gradient_clip_val`` set, ``amp/grad_norm_clipped``. Health changes (see
+    :class:`SkipHealth`) are said once each; a pathological one warns or, with
+    ``on_pathological="raise"``, stops training with a ``RuntimeError`` carrying the recent
+    history. On the first skipped step and on each turn to pathological the monitor names the
+    parameters whose gradient is inf/NaN; ``trace_nonfinite=True`` also names the first module,
+    in execution order, whose output or gradient went non-finite (forward/backward hooks, only
+    while training). Needs ``Trainer(plugins=[AMPPrecision(...)])``.
+
+    Args:
+        warmup_steps: first steps whose skips are calibration, not a problem.
+        window: recent steps covered by ``amp/skip_rate`` and the skip-rate rule.
+        max_consecutive_skips: skipped steps in a row (after warm-up) that are pathological.
+        max_skip_rate: skip rate over a window above which the run is pathological.
+        on_pathological: ``"warn"`` (default) or ``"raise"``.
+        trace_nonfinite: hook every submodule to name where inf/NaN first appear (costly).
+        plot_path: write a PNG of the scale and skipped steps there at the end of fit
+            (needs matplotlib: ``pip install 'amp_plugin[examples]'``).
+
+    Example:
+        >>> monitor = LossScaleMonitor(max_consecutive_skips=5, on_pathological="raise")
+        >>> monitor.health, monitor.summary()
+        ('clean', 'LossScaleMonitor: 0 steps, 0 skipped; health: clean.')
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup_steps: int = 100,
+        window: int = 200,
+        max_consecutive_skips: int = 10,
+        max_skip_rate: float = 0.05,
+        on_pathological: Literal["warn", "raise"] = "warn",
+        trace_nonfinite: bool = False,
+        plot_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        validate_policy("LossScaleMonitor", warmup_steps, window, max_consecutive_skips, max_skip_rate)
+        validate_monitor_options(on_pathological, trace_nonfinite, plot_path)
+        self._health = SkipHealth(warmup_steps, window, max_consecutive_skips, max_skip_rate)
+        self.on_pathological = on_pathological
+        self.trace_nonfinite = trace_nonfinite
+        self.plot_path = None if plot_path is None else Path(plot_path)
+        self._records: list[ScaleRecord] = []
+        self._plugin: AMPPrecision | None = None
+        self._tracer: diagnostics.NonFiniteTracer | None = None
+        self._progress = 0  # scaler updates (or global steps for bf16) before this batch
+        self._named_first_incident = False
+        self._restored = False
+
+    # -- what users read ----------------------------------------------------------------------
+
+    @property
+    def health(self) -> HealthState:
+        """The current health state (see :class:`SkipHealth`)."""
+        return self._health.state
+
+    @property
+    def history(self) -> list[ScaleRecord]:
+        """Samples taken on logged and skipped steps (thinned to every other one past 10,000)."""
+        return list(self._records)
+
+    def summary(self) -> str:
+        """One line: steps, skips, last scale, health."""
+        h = self._health
+        text = f"LossScaleMonitor: {h.steps} steps, {h.skipped} skipped"
+        if h.warmup_skipped:
+            text += f" ({h.warmup_skipped} in warm-up)"
+        if h.flags:
+            text += f", skip rate {h.skip_rate:.1%} over the last {len(h.flags)} steps"
+        scales = [r.scale for r in self._records if not math.isnan(r.scale)]
+        if scales:
+            text += f", scale {scales[-1]:g}"
+        return f"{text}; health: {h.state}."
+
+    # -- set-up and tear-down -----------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        plugin = trainer.precision_plugin
+        if not isinstance(plugin, AMPPrecision):
+            raise TypeError(
+                f"LossScaleMonitor reads amp_plugin.AMPPrecision, but the Trainer's precision plugin is "
+                f"{type(plugin).__name__}. HINT: pass Trainer(plugins=[AMPPrecision('16-mixed')]) (or "
+                "'bf16-mixed'), or remove the monitor."
+            )
+        self._plugin = plugin
+        if not trainer.loggers:
+            rank_zero_info(
+                "LossScaleMonitor: the Trainer has no logger, so amp/* is not logged; the monitor still "
+                "checks health and keeps its summary (LossScaleMonitor.summary(), printed at the end of fit)."
+            )
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        plugin = self._require_plugin()
+        scaler = plugin.scaler
+        if scaler is None:
+            rank_zero_info(
+                f"LossScaleMonitor: {plugin.precision} needs no loss scaler (bf16 has fp32's range), so "
+                "amp/scale is not logged; amp/grad_norm, amp/skipped_steps and amp/skip_rate are."
+            )
+        elif not self._restored and self._health.steps == 0:
+            # Added to a run that already trained: start from the scaler's own counters.
+            self._health.steps, self._health.skipped = scaler.total_steps, scaler.skipped_steps
+        clip = _clipping(trainer)
+        if clip is not None and clip[0] == GradClipAlgorithmType.VALUE:
+            rank_zero_info(
+                "LossScaleMonitor: with value clipping amp/grad_norm_clipped is not logged (it would cost "
+                "another pass over the gradients); amp/grad_norm (before clipping) is."
+            )
+        self._health.min_scale = None if scaler is None else scaler.min_scale
+        scale = math.nan if scaler is None else scaler.get_scale()  # the restored scale after a resume
+        self._record(ScaleRecord(trainer.global_step, scale, self._health.skipped, math.nan, False))
+        self._progress = self._progress_count(trainer)
+        if self.trace_nonfinite:
+            self._tracer = diagnostics.NonFiniteTracer(pl_module).attach()
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._tracer is not None:
+            self._tracer.detach()  # validation steps nothing; its forward passes would only cost
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._tracer is not None:  # it exists only between the start and the end of training
+            self._tracer.reset()
+            self._tracer.attach()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._detach()
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        rank_zero_info(self.summary())
+        self._writeplot_history(trainer)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._detach()
+        self._writeplot_history(trainer)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._detach()
+
+    # -- per step -----------------------------------------------------------------------------
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        plugin = self._require_plugin()
+        self._progress = self._progress_count(trainer)
+        clip = _clipping(trainer)
+        if _compat.should_update_logs(trainer) and (clip is None or clip[0] != GradClipAlgorithmType.NORM):
+            plugin.request_grad_norm()  # a norm clip computes it anyway; otherwise only on logged steps
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        plugin = self._require_plugin()
+        if self._progress_count(trainer) == self._progress:
+            return  # accumulating gradients (or no step at all): nothing happened to the scaler
+        skipped = plugin.last_step_skipped  # the one host sync per step (none for bf16)
+        sample = _compat.should_update_logs(trainer)
+        scaler = plugin.scaler
+        scale = scaler.get_scale() if scaler is not None and (skipped or sample) else None
+        verdict = self._health.observe(skipped, scale)
+        tracer = self._tracer
+        seen = tracer is not None and (tracer.forward_record or tracer.backward_record) is not None
+        incident = skipped or (scaler is None and seen)  # bf16 never skips: what the tracer saw is the news
+        if incident or sample:
+            norm = plugin.last_grad_norm
+            record = ScaleRecord(
+                trainer.global_step,
+                math.nan if scale is None else scale,
+                self._health.skipped,
+                math.nan if norm is None else float(norm.item()),
+                skipped,
+            )
+            self._record(record)
+            if sample and trainer.loggers and trainer.is_global_zero:
+                self._log(trainer, record)
+        first = incident and not self._named_first_incident
+        if verdict is not None or first:
+            self._named_first_incident |= incident
+            forensics = first or (incident and _is_pathological(verdict))  # no inf/NaN to name otherwise
+            self._announce(pl_module, verdict, forensics)
+        if self._tracer is not None:
+            self._tracer.reset()
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"health": self._health.state_dict(), "records": [tuple(r) for r in self._records]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; every entry is checked before anything changes."""
+        health, records = check_monitor_state(state_dict)
+        self._health.load_state_dict(health)  # checked already: cannot fail half-way
+        self._records = records
+        self._restored = True
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _require_plugin(self) -> AMPPrecision:
+        if self._plugin is None:
+            raise RuntimeError(
+                "LossScaleMonitor was called outside Trainer.fit (setup(stage='fit') did not run). "
+                "HINT: add it to Trainer(callbacks=[...]) and call trainer.fit()."
+            )
+        return self._plugin
+
+    def _progress_count(self, trainer: Trainer) -> int:
+        scaler = self._require_plugin().scaler
+        # The scaler's update count is exact: a batch whose backward was skipped steps Lightning, not it.
+        return trainer.global_step if scaler is None else scaler.total_steps
+
+    def _log(self, trainer: Trainer, record: ScaleRecord) -> None:
+        scaler = self._require_plugin().scaler
+        metrics: dict[str, float] = {}
+        if scaler is not None:
+            metrics["amp/scale"] = record.scale
+            metrics["amp/skipped_steps"] = float(scaler.skipped_steps)  # the scaler's count is the truth
+        else:
+            metrics["amp/skipped_steps"] = float(self._health.skipped)
+        metrics["amp/skip_rate"] = self._health.skip_rate
+        clip = _clipping(trainer)
+        if not math.isnan(record.grad_norm):
+            metrics["amp/grad_norm"] = record.grad_norm
+            if clip is not None and clip[0] == GradClipAlgorithmType.NORM:
+                # The clip multiplies by min(1, clip_val / (norm + 1e-6)): its result's norm, with no pass.
+                coef = clipping.clip_coefficient(torch.tensor(record.grad_norm), clip[1])
+                metrics["amp/grad_norm_clipped"] = record.grad_norm * float(coef)
+        # Straight to the loggers, at the step Lightning files this batch's own metrics under (as its
+        # LearningRateMonitor does): LightningModule.log would cost about 1 ms per metric and call.
+        step = _compat.logged_step(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def _announce(self, pl_module: LightningModule, verdict: HealthVerdict | None, forensics: bool) -> None:
+        if verdict is None:
+            head = f"step {self._health.steps} was skipped (health: {self._health.state})"
+        else:
+            head = verdict.reason
+        lines = [f"LossScaleMonitor: {head}."]
+        pathological = _is_pathological(verdict)
+        if pathological:
+            lines += self._recent_history()
+        if forensics:
+            lines += self._forensics(pl_module, hint=pathological)
+        message = "\n".join(lines)
+        if not pathological:
+            rank_zero_info(message)
+        elif self.on_pathological == "raise":
+            raise RuntimeError(
+                f"{message}\nHINT: fix the source named above (AMPPrecision(fp32_modules=...) for a module "
+                "that overflows, a lower learning rate, or bf16), or pass on_pathological='warn' to go on."
+            )
+        else:
+            rank_zero_warn(message)
+
+    def _recent_history(self) -> list[str]:
+        h = self._health
+        flags = list(h.flags)[-SHOWN_FLAGS:]
+        first = h.steps - len(flags) + 1
+        spelled = "".join("x" if f else "." for f in flags)
+        scales = [f"{r.step}: {r.scale:g}" for r in self._records[-8:] if not math.isnan(r.scale)]
+        lines = [f"Steps {first}-{h.steps} (x = skipped): {spelled}"]
+        if scales:
+            lines.append("Recent scale (step: scale): " + ", ".join(scales))
+        return lines
+
+    def _forensics(self, pl_module: LightningModule, hint: bool) -> list[str]:
+        bad = diagnostics.nonfinite_gradients(pl_module.named_parameters(), limit=5)
+        if bad:
+            lines = ["Non-finite gradients: " + "; ".join(str(g) for g in bad)]
+        else:
+            lines = [
+                "No gradient on this rank holds inf/NaN now (another rank overflowed, or they were cleared)."
+            ]
+        if self._tracer is not None:
+            lines.append(
+                self._tracer.report() or "The tracer saw no non-finite output or gradient in this step."
+            )
+        elif hint:
+            lines.append(
+                "HINT: LossScaleMonitor(trace_nonfinite=True) names the first module that produced them."
+            )
+        return lines
+
+    def _record(self, record: ScaleRecord) -> None:
+        self._records.append(record)
+        if len(self._records) > _MAX_RECORDS:
+            self._records = self._records[::2] + ([record] if len(self._records) % 2 == 0 else [])
+
+    def _detach(self) -> None:
+        if self._tracer is not None:
+            self._tracer.detach()
+            self._tracer = None
+
+    def _writeplot_history(self, trainer: Trainer) -> None:
+        if self.plot_path is None or not trainer.is_global_zero:
+            return
+        try:
+            plot_history(self._records, self.plot_path, self._health)
+        except Exception as err:  # the run is over; a failed picture must not turn it into a failure
+            rank_zero_warn(f"LossScaleMonitor could not write the plot to {self.plot_path}: {err!r}")
+
+
+def _clipping(trainer: Trainer) -> tuple[GradClipAlgorithmType, float] | None:
+    """The Trainer's gradient clipping (algorithm, value), or ``None`` when it is off."""
+    clip_val = trainer.gradient_clip_val
+    if clip_val is None or clip_val <= 0:
+        return None
+    return GradClipAlgorithmType(trainer.gradient_clip_algorithm or "norm"), float(clip_val)
+
+
+def _is_pathological(verdict: HealthVerdict | None) -> bool:
+    return verdict is not None and verdict.state == "pathological"

@@ -1,0 +1,374 @@
+"""``AMPPrecision``: Lightning's precision hooks, delegated to amp_plugin's plain-torch pieces.
+
+A thin adapter: autocast comes from :mod:`amp_plugin.autocast`, scaling and skipping from
+:class:`~amp_plugin.LossScaler`, clipping from :mod:`amp_plugin.clipping`. Its neighbours in
+:mod:`amp_plugin.lightning` hold the rest: argument and fit-start checks (``checks``), the
+checkpoint entry (``checkpoint``), the skip-aware LR scheduler (``schedulers``), and every read
+of a Lightning internal (``_compat``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from amp_plugin import autocast, clipping
+from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
+from amp_plugin.lightning import _compat, checks
+from amp_plugin.lightning.checkpoint import (
+    CHECKPOINT_KEY,
+    check_scaler_state,
+    checkpoint_entry,
+    load_scaler_state,
+    scaler_state,
+)
+from amp_plugin.lightning.schedulers import SkipAwareScheduler
+from amp_plugin.scaler import LossScaler, unwrap_optimizer
+
+__all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
+
+
+class AMPPrecision(MixedPrecision):
+    """Mixed precision for ``Trainer(plugins=[AMPPrecision(...)])``.
+
+    A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
+    ThroughputMonitor and checkpoint code treat it as one), driving a :class:`LossScaler`.
+
+    Args:
+        precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
+            ``"bf16-mixed"``, or ``"auto"`` (bf16 where the device supports it, else fp16).
+        device: the autocast device type; ``None`` takes it from the model's device at setup.
+        scaler: the :class:`LossScaler` for fp16 (a ``torch.amp.GradScaler`` is converted with its
+            settings and state); fp16 gets ``LossScaler()`` by default.
+        kernels: kernel backend for the default scaler and for clipping.
+        fp32_modules: module classes whose forward runs in fp32 with autocast off.
+        clip_fused: ``"auto"`` takes the fast clipping path (norm and inf check on the
+            still-scaled gradients, one combined multiply or a fold into a fused optimizer)
+            unless the LightningModule or a callback overrides ``on_before_optimizer_step``
+            or ``configure_gradient_clipping``; ``True`` always takes it (those hooks then see
+            scaled gradients); ``False`` unscales before the hooks, as Lightning does.
+        lr_on_skip: ``"hold"`` keeps a step-interval LR scheduler still when its optimizer's
+            step was skipped (or not taken: ``training_step`` returned ``None``); ``"advance"``
+            steps it anyway, without PyTorch's misleading order warning. In manual optimization
+            declare the scheduler with ``"interval": "step"`` to have it held.
+
+    Example:
+        >>> plugin = AMPPrecision("16-mixed", device="cpu")
+        >>> plugin.precision, plugin.dtype, type(plugin.scaler).__name__
+        ('16-mixed', torch.float16, 'LossScaler')
+    """
+
+    scaler: LossScaler | None  # type: ignore[assignment]  # MixedPrecision's is a GradScaler
+    device: str | None  # type: ignore[assignment]  # None until resolved at setup
+
+    def __init__(  # MixedPrecision.__init__ is not called: it would build a torch GradScaler
+        self,
+        precision: Literal["16-mixed", "bf16-mixed", "auto"] = "auto",
+        device: str | None = None,
+        scaler: LossScaler | torch.amp.GradScaler | None = None,
+        kernels: Backend = "auto",
+        fp32_modules: Sequence[type[nn.Module]] = (),
+        clip_fused: Literal["auto"] | bool = "auto",
+        lr_on_skip: Literal["hold", "advance"] = "hold",
+    ) -> None:
+        checks.check_arguments(precision, scaler, clip_fused, lr_on_skip)
+        self.kernels = check_backend(kernels)
+        self.fp32_modules = autocast.check_module_classes(fp32_modules)
+        self.clip_fused = clip_fused
+        self.lr_on_skip = lr_on_skip
+        self.requested = precision
+        self.scaler = (
+            LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
+        )
+        self.device = None
+        self.dtype: torch.dtype | None = None
+        self.precision = precision  # type: ignore[assignment]  # "auto" until resolved at setup
+        self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
+        self._fp32_hooks: autocast.Fp32Modules | None = None
+        self._fast_clip = clip_fused is True
+        self._stepped_in_batch = self._want_grad_norm = self._norm_clipped = self._no_clip = False
+        self._skips: dict[int, Tensor] = {}  # id(optimizer) -> whether its latest step was skipped
+        self._last_skip: Tensor | None = None  # the latest step's flag, until the batch's scale update
+        self._stepped_since_backward: set[int] = set()  # ids of optimizers that may not step again yet
+        if device is not None:
+            self._resolve(device)
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _resolve(self, device: object) -> tuple[str, torch.dtype]:
+        device_type = autocast.check_device(device, "AMPPrecision")
+        dtype = autocast.resolve_precision(self.requested, device_type)
+        # A scaler comes only with "16-mixed" (check_arguments), which always resolves to fp16.
+        if self.scaler is None and dtype == torch.float16:
+            self.scaler = LossScaler(kernels=self.kernels)
+        self.device, self.dtype = device_type, dtype
+        self.precision = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
+        if self.requested == "auto":
+            rank_zero_info(
+                f"AMPPrecision('auto') chose {self.precision}: {autocast.auto_precision_reason(device_type)}"
+            )
+        return device_type, dtype
+
+    def _settings(self, fallback_device: object) -> tuple[str, torch.dtype]:
+        """The autocast device type and dtype; resolved from ``fallback_device`` if not yet."""
+        if self.device is None or self.dtype is None:
+            return self._resolve(fallback_device)
+        return self.device, self.dtype
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        device, dtype = self._settings(checks.module_device(model))
+        module = checks.lightning_module(model)  # strategies hand over their wrapper (DDP, ...)
+        checks.check_fit_start(module, optimizers, device, dtype, grad_scaling=self.scaler is not None)
+        if self._fp32_hooks is None and self.fp32_modules:
+            self._fp32_hooks = autocast.force_fp32(module, self.fp32_modules)
+        if isinstance(module, LightningModule) and (trainer := _compat.attached_trainer(module)) is not None:
+            self._fast_clip = self.clip_fused is True or (
+                self.clip_fused == "auto" and not checks.hooks_observe_gradients(module, trainer)
+            )
+        for config in lr_schedulers:  # automatic and manual optimization alike
+            if getattr(config, "interval", "step") == "step" and not isinstance(
+                config.scheduler, SkipAwareScheduler
+            ):
+                config.scheduler = SkipAwareScheduler(config.scheduler, self)
+        return model, optimizers, lr_schedulers
+
+    @override
+    def teardown(self) -> None:
+        if self._fp32_hooks is not None:
+            self._fp32_hooks.remove()
+            self._fp32_hooks = None
+
+    # -- autocast -------------------------------------------------------------------------------
+
+    @override
+    def autocast_context_manager(self) -> torch.autocast:
+        """The autocast context for forward passes (the weight-cast cache off, as in Lightning)."""
+        device, dtype = self._settings("cuda" if torch.cuda.is_available() else "cpu")
+        # cache_enabled=False: a weight cast cached under no_grad would carry no autograd history
+        # into a later forward with grad in the same autocast region.
+        return torch.autocast(device, dtype=dtype, cache_enabled=False)
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with self.autocast_context_manager():
+            yield
+
+    @override
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        # Once per batch, before any clip: a manual clip_gradients() records the norm that
+        # optimizer_step must not forget.
+        self.last_grad_norm = None
+        with self.forward_context():
+            yield
+        # Manual optimization: one update per training batch, after every optimizer's step.
+        if self._stepped_in_batch:
+            self._stepped_in_batch = False
+            self._update()
+
+    # -- backward and step ----------------------------------------------------------------------
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        # The hooks get the loss as the user computed it; only backward sees the scaled one.
+        Precision.pre_backward(self, tensor, module)  # not MixedPrecision's: it scales for GradScaler
+        return tensor if self.scaler is None else self.scaler.scale(tensor)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        self._stepped_since_backward.clear()
+        # torch runs backward best with autocast off; manual_backward sits inside training_step's region.
+        with torch.autocast(self.device or "cpu", enabled=False):
+            Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        scaler = self.scaler
+        if scaler is None:
+            return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            self._not_stepped(scaler, model, optimizer)
+            return closure_result
+        self._arm(scaler, optimizer)
+        if scaler.stage(optimizer) == "ready" and not self._fast_clip:
+            scaler.unscale_(optimizer)  # the hooks below see unscaled gradients
+        self._norm_clipped = False
+        self._after_closure(model, optimizer)
+        if not (self._fast_clip or self._norm_clipped):  # a norm clip after the hooks re-checked already
+            scaler.recheck_(optimizer)  # a hook may have written inf/NaN after unscale_
+        result = scaler.step(optimizer, **kwargs)
+        flag = scaler.found_inf(optimizer)
+        self._record_step(optimizer, torch.zeros((), dtype=torch.bool) if flag is None else flag > 0)
+        if model.automatic_optimization:
+            self._update()
+        else:
+            self._stepped_in_batch = True
+        return result
+
+    def _not_stepped(self, scaler: LossScaler, model: LightningModule, optimizer: Any) -> None:
+        """``training_step`` returned ``None``: the hooks run as under MixedPrecision; nothing is clipped."""
+        self._no_clip = True
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._no_clip = False
+        scaler._forget(optimizer)  # nothing of this batch may be taken for the next one's state
+        self.last_grad_norm = None
+        self._record_step(optimizer, torch.ones((), dtype=torch.bool))  # holds its scheduler
+
+    def _arm(self, scaler: LossScaler, optimizer: Any) -> None:
+        """Let manual optimization step an optimizer again in a batch (a WGAN critic), after a backward."""
+        key = id(unwrap_optimizer(optimizer))
+        if scaler.stage(optimizer) == "stepped":
+            if key in self._stepped_since_backward:
+                raise RuntimeError(
+                    f"{type(unwrap_optimizer(optimizer)).__name__} was stepped twice in one training_step "
+                    "with no backward in between, under fp16 loss scaling: the first step used the "
+                    "gradients. HINT: call manual_backward (and zero_grad) before each step of the same "
+                    "optimizer."
+                )
+            scaler._rearm(optimizer)  # skipped on its own gradients; one scale update per batch
+        self._stepped_since_backward.add(key)
+
+    def _record_step(self, optimizer: Any, skipped: Tensor) -> None:
+        self._skips[id(unwrap_optimizer(optimizer))] = self._last_skip = skipped
+
+    def _update(self) -> None:
+        if self.scaler is not None:  # bf16 has neither a scaler nor an update
+            self.scaler.update()
+        self._last_skip = None  # from here on last_step_skipped describes the whole batch
+
+    def request_grad_norm(self) -> None:
+        """Have the next optimizer step record ``last_grad_norm`` even without clipping.
+
+        With clipping on, the norm comes free with the clip; otherwise it costs one read of the
+        gradients, which is why it is asked for per step (e.g. on logging steps only).
+        """
+        self._want_grad_norm = True
+
+    @override
+    def _after_closure(self, model: LightningModule, optimizer: Any) -> None:
+        _compat.after_closure(self, model, optimizer)  # on_before_optimizer_step hooks, then clipping
+        if self._want_grad_norm and self.last_grad_norm is None:
+            self.last_grad_norm = self._grad_norm(optimizer)
+        self._want_grad_norm = False
+
+    def _grad_norm(self, optimizer: Any) -> Tensor:
+        if self.scaler is not None:
+            return self.scaler.grad_norm(optimizer)
+        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
+        return self._kernels_for(grads).norm(grads)
+
+    def _kernels_for(self, grads: list[Tensor]) -> Kernels:
+        return get_kernels(self.kernels, grads[0].device if grads else None)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest optimizer step was skipped (``False`` without a scaler).
+
+        Right after ``opt.step()`` in manual optimization it describes that step; after the
+        batch's scale update, whether any step of the batch was skipped.
+        """
+        if self._last_skip is not None:
+            return bool(self._last_skip)
+        return self.scaler is not None and self.scaler.last_step_skipped
+
+    def step_skipped(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
+        flag = self._skips.get(id(unwrap_optimizer(optimizer)))
+        return flag is not None and bool(flag)
+
+    # -- clipping -------------------------------------------------------------------------------
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0 or self._no_clip:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.clip_grad_by_value(optimizer, clip_val)
+        else:
+            self.clip_grad_by_norm(optimizer, clip_val)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self._norm_clipped = True
+        if self.scaler is not None:
+            self.last_grad_norm = self.scaler.clip_grad_norm_(optimizer, float(clip_val))
+            return
+        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
+        self.last_grad_norm = clipping.clip_grad_norm_(
+            self._kernels_for(grads), grads, float(clip_val)
+        ).total_norm
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
+            self.last_grad_norm = self._grad_norm(optimizer)
+        if self.scaler is not None:
+            self.scaler.clip_grad_value_(optimizer, float(clip_val))
+        else:
+            Precision.clip_grad_by_value(self, unwrap_optimizer(optimizer), clip_val)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Lightning files a non-empty state_dict under this class's __qualname__, which a rename
+        # or subclass would orphan; the state goes under CHECKPOINT_KEY in on_save_checkpoint.
+        return {}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = checkpoint_entry(self.precision, self.scaler)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = scaler_state(checkpoint)
+        if state is not None:
+            self.load_state_dict(state)
+
+    def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if the checkpoint's loss-scaler state would not load; change nothing.
+
+        Lightning restores the precision plugin only after it has replaced the model's weights.
+        To refuse a corrupt checkpoint before that, call this from the LightningModule's
+        ``on_load_checkpoint``, the one hook Lightning runs earlier::
+
+            def on_load_checkpoint(self, checkpoint):
+                self.trainer.precision_plugin.check_checkpoint(checkpoint)
+
+        Example:
+            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({CHECKPOINT_KEY: "garbage"})
+            Traceback (most recent call last):
+            ...
+            ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
+        """
+        check_scaler_state(checkpoint, self.scaler)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a scaler state (from this plugin, ``LossScaler``, or ``torch.amp.GradScaler``)."""
+        load_scaler_state(self.scaler, state_dict)

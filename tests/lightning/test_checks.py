@@ -1,0 +1,79 @@
+"""AMPPrecision's checks without a Trainer.fit: the wrapped module, its device, who observes gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
+
+from amp_plugin.lightning import checks
+
+
+def _trainer(*callbacks: Callback) -> Trainer:
+    return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=list(callbacks))
+
+
+def test_the_lightning_module_is_found_inside_wrappers() -> None:
+    module = BoringModel()
+    outer = nn.Module()
+    outer.module = nn.Module()
+    outer.module.module = module
+    assert checks.lightning_module(outer) is module
+    assert checks.lightning_module(module) is module
+    plain = nn.Linear(2, 1)
+    assert checks.lightning_module(plain) is plain
+
+
+def test_the_module_device_comes_from_device_then_parameters() -> None:
+    assert checks.module_device(BoringModel()) == "cpu"
+    assert checks.module_device(nn.Linear(2, 1).to("meta")) == "meta"
+    assert checks.module_device(nn.ReLU()) == "cpu"
+
+
+class _Hooked(BoringModel):
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:  # fmt: skip
+        pass
+
+
+class _Watching(BoringModel):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        pass
+
+
+class _Observer(Callback):
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        pass
+
+
+class _Bystander(Callback):
+    def on_train_batch_end(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("module", "callbacks", "observed"),
+    [
+        (BoringModel(), (), False),
+        (BoringModel(), (_Bystander(),), False),
+        (_Hooked(), (), True),
+        (_Watching(), (), True),
+        (BoringModel(), (_Observer(),), True),
+    ],
+)
+def test_who_can_observe_gradients(
+    module: LightningModule, callbacks: tuple[Callback, ...], observed: bool
+) -> None:
+    assert checks.hooks_observe_gradients(module, _trainer(*callbacks)) is observed
+
+
+def test_fit_start_refuses_lbfgs_only_under_loss_scaling() -> None:
+    model = nn.Linear(2, 1)
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    checks.check_fit_start(model, [lbfgs], "cpu", torch.bfloat16, grad_scaling=False)
+    with pytest.raises(ValueError, match=r"cannot drive LBFGS.*HINT: use precision='bf16-mixed'"):
+        checks.check_fit_start(model, [lbfgs], "cpu", torch.float16, grad_scaling=True)

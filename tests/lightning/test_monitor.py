@@ -1,0 +1,127 @@
+"""LossScaleMonitor without a Trainer.fit: its arguments, its own state, its bounded history."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from amp_plugin.callbacks import LossScaleMonitor
+from amp_plugin.health import ScaleRecord, SkipHealth
+
+
+def _saved() -> dict[str, Any]:
+    """A SkipHealth state: 8 steps, 2 skipped (1 in warm-up), the last one skipped."""
+    health = SkipHealth(warmup_steps=5, window=10, max_consecutive_skips=3, max_skip_rate=0.25)
+    for step, flag in enumerate("x......x", start=1):
+        health.observe(flag == "x", 512.0 if step == 8 else None)
+    return health.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"warmup_steps": -1}, ValueError, r"warmup_steps=-1\) is not allowed: an int >= 0"),
+        ({"warmup_steps": "10"}, TypeError, r"warmup_steps='10'\) is not allowed: an int >= 0"),
+        ({"window": 0}, ValueError, r"window=0\) is not allowed: an int >= 1"),
+        ({"max_consecutive_skips": True}, TypeError, r"max_consecutive_skips=True\) is not allowed: an int"),
+        ({"max_skip_rate": 1.5}, ValueError, r"max_skip_rate=1.5\) is not allowed: a finite number > 0 and"),
+        ({"max_skip_rate": float("nan")}, ValueError, r"max_skip_rate=nan\) is not allowed: a finite number"),
+        ({"on_pathological": "stop"}, ValueError, r"on_pathological='stop'\) is not allowed: one of 'warn', "
+         r"'raise'"),
+        ({"on_pathological": None}, ValueError, r"on_pathological=None\) is not allowed: one of 'warn'"),
+        ({"trace_nonfinite": 1}, TypeError, r"trace_nonfinite=1\) is not allowed: a bool"),
+        ({"trace_nonfinite": "False"}, TypeError, r"trace_nonfinite='False'\) is not allowed: a bool"),
+        ({"plot_path": 3}, TypeError, r"plot_path=3\) is not allowed: None or a file path"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_raise(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=r"^LossScaleMonitor\(" + match + ".*HINT"):
+        LossScaleMonitor(**kwargs)
+
+
+def test_plot_without_matplotlib_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"needs matplotlib.*HINT: pip install 'amp_plugin\[examples\]'"):
+        LossScaleMonitor(plot_path="scale.png")
+
+
+def test_monitor_state_dict_round_trip_uses_plain_values() -> None:
+    monitor = LossScaleMonitor(window=4)
+    monitor._health.observe(True, 512.0)
+    monitor._records.append(ScaleRecord(1, 512.0, 1, float("inf"), True))
+    state = monitor.state_dict()
+    assert state["records"] == [(1, 512.0, 1, float("inf"), True)] and type(state["records"][0]) is tuple
+    other = LossScaleMonitor(window=4)
+    other.load_state_dict(state)
+    assert other.history == monitor.history and other.health == "warm-up"
+    assert other.summary() == (
+        "LossScaleMonitor: 1 steps, 1 skipped (1 in warm-up), skip rate 100.0% over the last 1 steps, "
+        "scale 512; health: warm-up."
+    )
+
+
+def _monitor() -> LossScaleMonitor:
+    monitor = LossScaleMonitor(window=4)
+    monitor._health.observe(True, 512.0)
+    monitor._records.append(ScaleRecord(1, 512.0, 1, 2.5, True))
+    return monitor
+
+
+def _monitor_state() -> dict[str, Any]:
+    return {"health": _saved(), "records": [(0, 1024.0, 0, 1.0, False), (8, 512.0, 2, 3.0, True)]}
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        ([1], TypeError, r"state_dict=list\) is not allowed: the dict from LossScaleMonitor\.state_dict\(\)"),
+        ({"lrs": [0.1]}, ValueError, r"state_dict with keys \['lrs'\]\) is not allowed: the dict from "
+         r"LossScaleMonitor\.state_dict\(\), with 'health' and 'records'"),
+        ({"health": _saved()}, ValueError, r"state_dict with keys \['health'\]\) is not allowed"),
+        ({**_monitor_state(), "health": {**_saved(), "skipped": 99}}, ValueError,
+         r"health\['skipped'\]=99\) is not allowed: an int from 0 to steps=8"),
+        ({**_monitor_state(), "health": None}, ValueError, r"health=None\) is not allowed: the dict"),
+        ({**_monitor_state(), "records": "none"}, ValueError, r"records='none'\) is not allowed: a list of"),
+        ({**_monitor_state(), "records": [(0, 1.0, 0, 1.0)]}, ValueError,
+         r"records\[0\]=\(0, 1.0, 0, 1.0\)\) is not allowed: a \(step, scale, skipped_steps, grad_norm, "
+         r"skipped\) tuple"),
+        ({**_monitor_state(), "records": [(0, 1.0, 0, 1.0, False), ("1", 1.0, 0, 1.0, False)]}, ValueError,
+         r"records\[1\]=\('1', 1.0, 0, 1.0, False\)\) is not allowed"),
+        ({**_monitor_state(), "records": [(0, 1.0, 0, 1.0, "False")]}, ValueError, r"records\[0\]="),
+        ({**_monitor_state(), "records": [(0, "1.0", 0, 1.0, False)]}, ValueError, r"records\[0\]="),
+        ({**_monitor_state(), "records": [(0, 1.0, -1, 1.0, False)]}, ValueError, r"records\[0\]="),
+    ],
+)  # fmt: skip
+def test_monitor_load_state_dict_checks_everything_before_changing_anything(
+    state: Any, error: type[Exception], match: str
+) -> None:
+    monitor = _monitor()
+    before = monitor.state_dict()
+    with pytest.raises(error, match=r"^LossScaleMonitor\.load_state_dict\(" + match + r".*HINT"):
+        monitor.load_state_dict(state)
+    assert monitor.state_dict() == before and not monitor._restored
+
+
+def test_monitor_loads_records_saved_as_lists() -> None:
+    monitor = LossScaleMonitor(window=4)
+    state = _monitor_state()
+    monitor.load_state_dict({**state, "records": [list(r) for r in state["records"]]})  # e.g. through JSON
+    assert monitor.history == [ScaleRecord(*r) for r in state["records"]] and monitor._health.steps == 8
+
+
+def test_history_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("amp_plugin.lightning.monitor._MAX_RECORDS", 8)
+    monitor = LossScaleMonitor()
+    for step in range(100):
+        monitor._record(ScaleRecord(step, 1.0, 0, 0.0, False))
+    steps = [r.step for r in monitor.history]
+    assert len(steps) <= 8 and steps[0] == 0 and steps[-1] == 99 and steps == sorted(steps)
+
+
+def test_the_old_import_path_is_the_same_class() -> None:
+    import amp_plugin
+    from amp_plugin.lightning import LossScaleMonitor as Home
+
+    assert LossScaleMonitor is Home is amp_plugin.LossScaleMonitor

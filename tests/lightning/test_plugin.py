@@ -1,0 +1,193 @@
+"""AMPPrecision without a Trainer.fit: a MixedPrecision to Lightning; GradScaler input; bad input; connect."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import throughput_monitor
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+from amp_plugin import AMPPrecision, LossScaler
+from amp_plugin.lightning.schedulers import SkipAwareScheduler
+
+# -- a MixedPrecision to Lightning ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("16-mixed", torch.float16), ("bf16-mixed", torch.bfloat16)]
+)
+def test_lightning_treats_it_as_mixed_precision(precision: str, dtype: torch.dtype) -> None:
+    plugin = AMPPrecision(precision, device="cpu")  # type: ignore[arg-type]
+    assert isinstance(plugin, MixedPrecision)
+    # What ThroughputMonitor.setup computes its FLOPs for (it reported float32 for both before).
+    assert throughput_monitor._plugin_to_compute_dtype(plugin) == dtype
+
+
+def test_every_mixed_precision_method_is_our_own() -> None:
+    """Methods inherited from MixedPrecision would drive a torch GradScaler; a new one must fail here."""
+    inherited = {name for name, value in vars(MixedPrecision).items() if inspect.isfunction(value)}
+    inherited |= {n for n, v in vars(MixedPrecision).items() if isinstance(v, (staticmethod, classmethod))}
+    assert inherited <= set(vars(AMPPrecision)), sorted(inherited - set(vars(AMPPrecision)))
+
+
+def test_fsdp_strategy_refuses_the_plugin_loudly() -> None:
+    """Lightning's FSDP strategy accepts only its FSDPPrecision: the failure is loud, never silent."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        FSDPStrategy(precision_plugin=AMPPrecision("16-mixed", device="cpu"))
+
+
+@pytest.mark.cuda
+def test_fsdp_trainer_refuses_the_plugin_on_cuda() -> None:
+    with pytest.raises((TypeError, ValueError), match="FSDPPrecision"):
+        Trainer(accelerator="cuda", devices=1, strategy="fsdp", plugins=[AMPPrecision("16-mixed")])
+
+
+# -- a torch.amp.GradScaler is accepted -------------------------------------------------------------
+
+
+def _stepped_grad_scaler() -> torch.amp.GradScaler:
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3
+    )
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(5):
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        if i == 1:
+            model.weight.grad.fill_(math.inf)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return scaler
+
+
+def test_a_grad_scaler_is_converted_with_its_settings_and_state() -> None:
+    grad_scaler = _stepped_grad_scaler()
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=grad_scaler)  # type: ignore[arg-type]
+    scaler = plugin.scaler
+    assert isinstance(scaler, LossScaler)
+    assert scaler.get_scale() == grad_scaler.get_scale() == 1024.0 * 0.25 * 4.0
+    assert (scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == (4.0, 0.25, 3)
+    assert scaler.state_dict()["_growth_tracker"] == grad_scaler.state_dict()["_growth_tracker"] == 0
+    grad_scaler2 = _stepped_grad_scaler()
+    model = nn.Linear(2, 1)  # one more clean step: the tracker carries on from the GradScaler's
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in (scaler, grad_scaler2):
+        s.scale(model(torch.ones(1, 2)).sum()).backward()
+        s.step(opt)
+        s.update()
+    assert scaler.state_dict()["_growth_tracker"] == grad_scaler2.state_dict()["_growth_tracker"] == 1
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"clip_fused": 1}, ValueError, r"clip_fused=1\) is not allowed: one of 'auto', True, False\. HINT"),
+        ({"clip_fused": "True"}, ValueError, r"clip_fused='True'\) is not allowed.*HINT"),
+        (
+            {"lr_on_skip": None},
+            ValueError,
+            r"lr_on_skip=None\) is not allowed: one of 'hold', 'advance'\. HINT",
+        ),
+        (
+            {"scaler": "LossScaler"},
+            TypeError,
+            r"scaler='LossScaler'\) is not allowed: an amp_plugin\.LossScaler or a torch\.amp\.GradScaler\. "
+            "HINT",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        AMPPrecision("16-mixed", device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"precision": "16"}, ValueError, r"Unknown precision '16'.*HINT: use '16-mixed'"),
+        ({"precision": "fp32"}, ValueError, r"allowed: 16-mixed, bf16-mixed, auto"),
+        ({"precision": "bf16-mixed", "scaler": LossScaler()}, ValueError, "does not use a loss scaler"),
+        ({"precision": "auto", "scaler": LossScaler()}, ValueError, "ambiguous"),
+        (
+            {"precision": "16-mixed", "scaler": "GradScaler"},
+            TypeError,
+            "not allowed: an amp_plugin.LossScaler",
+        ),
+        ({"precision": "16-mixed", "kernels": "fast"}, ValueError, "kernels='fast'"),
+        ({"precision": "16-mixed", "clip_fused": "yes"}, ValueError, "clip_fused='yes'"),
+        ({"precision": "16-mixed", "lr_on_skip": "skip"}, ValueError, "lr_on_skip='skip'"),
+        ({"precision": "16-mixed", "fp32_modules": [int]}, TypeError, "HINT"),
+        (
+            {"precision": "16-mixed", "device": "meta"},
+            ValueError,
+            r"not available for device type 'meta'.*HINT",
+        ),
+        ({"precision": "16-mixed", "device": "gpu"}, ValueError, r"device='gpu'.*HINT.*'cuda'"),
+        ({"precision": "16-mixed", "device": ""}, ValueError, r"device=''.*HINT"),
+        ({"precision": "16-mixed", "device": 0}, TypeError, r"device=0.*HINT"),
+        ({"precision": "16-mixed", "clip_fused": 1}, ValueError, r"clip_fused=1"),
+        ({"precision": "16-mixed", "clip_fused": "True"}, ValueError, r"clip_fused='True'"),
+    ],
+)
+def test_bad_arguments_raise_clearly(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        AMPPrecision(**kwargs)
+
+
+def test_a_bare_fp32_module_class_gets_our_message() -> None:
+    with pytest.raises(TypeError, match=r"classes=<class .*LayerNorm'>; allowed: a tuple .*HINT"):
+        AMPPrecision("bf16-mixed", fp32_modules=nn.LayerNorm)  # type: ignore[arg-type]
+
+
+# -- connect, called by the strategy at fit start ---------------------------------------------------
+
+
+def test_connect_resolves_the_device_and_wraps_step_schedulers_once() -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+
+    class Config:  # the fields of Lightning's LRSchedulerConfig that connect reads
+        def __init__(self, interval: str) -> None:
+            self.scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+            self.interval = interval
+
+    step, epoch = Config("step"), Config("epoch")
+    plugin = AMPPrecision("16-mixed")
+    plugin.connect(model, [opt], [step, epoch])
+    assert (plugin.device, plugin.dtype) == ("cpu", torch.float16)
+    assert isinstance(step.scheduler, SkipAwareScheduler)
+    assert not isinstance(epoch.scheduler, SkipAwareScheduler)
+    wrapped = step.scheduler
+    plugin.connect(model, [opt], [step])  # a second fit
+    assert step.scheduler is wrapped
+
+
+def test_fit_start_warnings_point_at_the_plugin() -> None:
+    model = nn.Sequential(nn.DataParallel(nn.Linear(2, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AMPPrecision("bf16-mixed", device="cpu").connect(model, [opt], [])
+    [warning] = [w for w in caught if "AutocastDataParallel" in str(w.message)]
+    assert warning.filename.endswith(("amp_plugin/lightning/plugin.py", "amp_plugin\\lightning\\plugin.py"))
+
+
+def test_the_autocast_context_resolves_a_plugin_without_device() -> None:
+    plugin = AMPPrecision("bf16-mixed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with plugin.autocast_context_manager():
+        assert torch.is_autocast_enabled(device)
+    assert (plugin.device, plugin.dtype) == (device, torch.bfloat16)
