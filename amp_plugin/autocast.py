@@ -67,6 +67,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_FP32_POLICY})
+
+
 @dataclass(frozen=True)
 class DeviceAutocast:
     """Autocast state of one device type: whether it is on and the dtype it casts to.

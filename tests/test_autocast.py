@@ -243,5 +243,6 @@ def test_moved_names_stay_importable_from_autocast() -> None:
     for name in ("Fp32Modules", "check_module_classes", "force_fp32"):
         assert getattr(autocast, name) is getattr(fp32_policy, name)
     assert all(hasattr(autocast, name) for name in autocast.__all__)
+    assert set(autocast.__all__) <= set(dir(autocast))
     with pytest.raises(AttributeError, match=r"has no attribute 'nothing'"):
         autocast.nothing  # noqa: B018
