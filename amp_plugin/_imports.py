@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
+import importlib.util
+import sys
 from typing import Any
-
-import torch
 
 APEX_HINT = (
     "Build NVIDIA Apex from source with its CUDA extensions: "
@@ -23,7 +24,12 @@ APEX_HINT = (
 
 @functools.cache
 def apex_error() -> str | None:
-    """Why the Apex ``amp_C`` kernels cannot be used, or ``None`` when they can."""
+    """Why the Apex ``amp_C`` kernels cannot be used, or ``None`` when they can.
+
+    Example:
+        >>> apex_error() is None or isinstance(apex_error(), str)
+        True
+    """
     try:
         importlib.import_module("amp_C")
         importlib.import_module("apex.multi_tensor_apply")
@@ -33,12 +39,24 @@ def apex_error() -> str | None:
 
 
 def apex_available() -> bool:
-    """``True`` when ``amp_C`` and ``apex.multi_tensor_apply`` both import."""
+    """``True`` when ``amp_C`` and ``apex.multi_tensor_apply`` both import.
+
+    Example:
+        >>> apex_available() == (apex_error() is None)
+        True
+    """
     return apex_error() is None
 
 
 def import_amp_c() -> tuple[Any, Any]:
-    """Return ``(amp_C, multi_tensor_applier)``; raise ``ImportError`` with a hint when missing."""
+    """Return ``(amp_C, multi_tensor_applier)``; raise ``ImportError`` with a hint when missing.
+
+    Example:
+        >>> try:
+        ...     amp_c, applier = import_amp_c()
+        ... except ImportError as err:
+        ...     assert "HINT: Build NVIDIA Apex" in str(err)
+    """
     reason = apex_error()
     if reason is not None:
         raise ImportError(f"NVIDIA Apex `amp_C` is not importable ({reason}). HINT: {APEX_HINT}")
@@ -47,7 +65,32 @@ def import_amp_c() -> tuple[Any, Any]:
     return amp_c, applier
 
 
-def torch_version() -> tuple[int, int]:
-    """``(major, minor)`` of the installed torch."""
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+def matplotlib_available() -> bool:
+    """``True`` when ``import matplotlib`` would succeed; matplotlib itself is not imported.
+
+    Example:
+        >>> isinstance(matplotlib_available(), bool)
+        True
+    """
+    if "matplotlib" in sys.modules:  # imported already, or blocked (None): `import` would answer the same
+        return sys.modules["matplotlib"] is not None
+    return _module_found("matplotlib")
+
+
+@functools.cache
+def _module_found(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+@functools.cache
+def package_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` from its metadata (nothing is imported), or ``None``.
+
+    Example:
+        >>> package_version("torch") is not None, package_version("no-such-distribution")
+        (True, None)
+    """
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from amp_plugin import AMPPrecision, LossScaleMonitor
-from amp_plugin.autocast import auto_precision_reason
+from amp_plugin.precision import auto_precision_reason
 
 VOCAB = 8
 SEQ_LEN = 32

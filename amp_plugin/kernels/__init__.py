@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
-# Not `import torch`: importing the submodule `amp_plugin.kernels.torch` rebinds that name here.
-from torch import device as Device
+import torch
 
 from amp_plugin import _imports
 from amp_plugin.kernels.base import Kernels
@@ -24,7 +23,16 @@ BACKENDS: tuple[str, ...] = ("auto", "torch", "apex")
 
 
 def check_backend(backend: object) -> Backend:
-    """Validate a backend name; raise ``ValueError`` naming the allowed values."""
+    """Validate a backend name; raise ``ValueError`` naming the allowed values.
+
+    Example:
+        >>> check_backend("apex")
+        'apex'
+        >>> check_backend("cuda")
+        Traceback (most recent call last):
+        ...
+        ValueError: kernels='cuda' is not a kernel backend; allowed: 'auto', 'torch', 'apex'. HINT: ...
+    """
     if backend not in BACKENDS:
         raise ValueError(
             f"kernels={backend!r} is not a kernel backend; allowed: {', '.join(map(repr, BACKENDS))}. "
@@ -33,7 +41,7 @@ def check_backend(backend: object) -> Backend:
     return backend  # type: ignore[return-value]
 
 
-def get_kernels(backend: Backend = "auto", device: Device | str | None = None) -> Kernels:
+def get_kernels(backend: Backend = "auto", device: torch.device | str | None = None) -> Kernels:
     """Return the kernel backend for ``backend`` on ``device``.
 
     Args:
@@ -50,7 +58,7 @@ def get_kernels(backend: Backend = "auto", device: Device | str | None = None) -
         'torch'
     """
     backend = check_backend(backend)
-    device_type = Device(device).type if device is not None else None
+    device_type = torch.device(device).type if device is not None else None
     if backend == "auto":
         use_apex = device_type == "cuda" and _imports.apex_available()
         return _apex_backend() if use_apex else _torch_backend()
@@ -71,7 +79,7 @@ def get_kernels(backend: Backend = "auto", device: Device | str | None = None) -
 
 @functools.cache
 def _torch_backend() -> Kernels:
-    from amp_plugin.kernels.torch import TorchKernels
+    from amp_plugin.kernels.foreach import TorchKernels
 
     return TorchKernels()
 

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 
 from amp_plugin import _imports
-from amp_plugin.kernels.base import group_by_device_and_dtype
-from amp_plugin.kernels.torch import TorchKernels
+from amp_plugin.kernels.base import group_by_device_and_dtype, to_device
+from amp_plugin.kernels.foreach import TorchKernels
 
 __all__ = ["ApexKernels"]
 
@@ -65,7 +65,8 @@ class ApexKernels:
         ImportError: ``amp_C`` or ``apex.multi_tensor_apply`` does not import (with a build hint).
 
     Example:
-        >>> import torch
+        >>> sorted(ApexKernels.device_types)  # tensors elsewhere go to the torch backend
+        ['cuda']
         >>> from amp_plugin.kernels import get_kernels
         >>> k = get_kernels("apex", "cuda")  # doctest: +SKIP
         >>> grads = [torch.full((3,), 4.0, device="cuda")]  # doctest: +SKIP
@@ -162,19 +163,14 @@ def _zero_flag(device: torch.device) -> Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _to(tensor: Tensor, device: torch.device) -> Tensor:
-    # A non-blocking copy into CPU memory may still be in flight when the host reads it next.
-    return tensor.to(device, non_blocking=device.type != "cpu")
-
-
 def _fold_flag(flag: Tensor, found_inf: Tensor) -> None:
     """``found_inf = max(found_inf, flag)`` on ``found_inf``'s device, without reading either."""
-    hit = _to(flag, found_inf.device).to(found_inf.dtype)
+    hit = to_device(flag, found_inf.device).to(found_inf.dtype)
     torch.maximum(found_inf, hit.view_as(found_inf), out=found_inf)
 
 
 def _total_l2(partials: list[Tensor], device: torch.device) -> Tensor:
-    moved = [_to(partial, device) for partial in partials]
+    moved = [to_device(partial, device) for partial in partials]
     if len(moved) == 1:
         return moved[0]
     total: Tensor = torch.linalg.vector_norm(torch.stack(moved), 2)

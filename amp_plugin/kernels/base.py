@@ -20,7 +20,7 @@ Semantics (identical for every backend; the torch backend is the oracle in tests
     device of the first tensor (CPU when the list is empty, where it is 0). Any inf or
     NaN input makes the result non-finite, so a norm doubles as an inf check. With
     ``exact=True`` the result is bit-identical to the total norm that
-    ``torch.nn.utils.clip_grad_norm_`` computes (``kernels.torch.reference_norm``);
+    ``torch.nn.utils.clip_grad_norm_`` computes (the torch backend's recipe);
     otherwise a backend may use any faster fp32 reduction.
 
 ``mul_(tensors, factor)``
@@ -37,12 +37,18 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["Kernels", "group_by_device_and_dtype"]
+__all__ = ["Kernels", "group_by_device_and_dtype", "to_device"]
 
 
 @runtime_checkable
 class Kernels(Protocol):
-    """Multi-tensor operations used by :class:`~amp_plugin.LossScaler` and clipping."""
+    """Multi-tensor operations used by :class:`~amp_plugin.LossScaler` and clipping.
+
+    Example:
+        >>> from amp_plugin.kernels import get_kernels
+        >>> isinstance(get_kernels("torch"), Kernels)
+        True
+    """
 
     name: str
 
@@ -56,9 +62,28 @@ class Kernels(Protocol):
 def group_by_device_and_dtype(
     tensors: Sequence[Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
-    """Group tensors by ``(device, dtype)`` in first-seen order, dropping zero-numel ones."""
+    """Group tensors by ``(device, dtype)`` in first-seen order, dropping zero-numel ones.
+
+    Example:
+        >>> groups = group_by_device_and_dtype([torch.ones(2), torch.ones(0), torch.ones(3).half()])
+        >>> [(device.type, dtype, len(group)) for (device, dtype), group in groups.items()]
+        [('cpu', torch.float32, 1), ('cpu', torch.float16, 1)]
+    """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for tensor in tensors:
         if tensor.numel():
             groups[(tensor.device, tensor.dtype)].append(tensor)
     return dict(groups)
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` on ``device``, copied without a host sync where that is safe.
+
+    A non-blocking copy into CPU memory may still be in flight when the host reads it next,
+    so only copies onto an accelerator are made non-blocking.
+
+    Example:
+        >>> to_device(torch.ones(2), torch.device("cpu"))
+        tensor([1., 1.])
+    """
+    return tensor.to(device, non_blocking=device.type != "cpu")

@@ -17,7 +17,9 @@ from torch.optim import LBFGS, Optimizer
 
 from amp_plugin import autocast, diagnostics
 from amp_plugin._validation import check_choice, fail
-from amp_plugin.scaler import LossScaler, unwrap_optimizer
+from amp_plugin.optim import unwrap_optimizer
+from amp_plugin.precision import check_precision
+from amp_plugin.scaler import LossScaler
 
 __all__ = [
     "check_arguments",
@@ -40,7 +42,7 @@ def check_arguments(precision: object, scaler: object, clip_fused: object, lr_on
         ...
         ValueError: AMPPrecision(precision='bf16-mixed') does not use a loss scaler, ... HINT: drop scaler=...
     """
-    autocast.check_precision(precision)
+    check_precision(precision)
     if scaler is not None and not isinstance(scaler, (LossScaler, torch.amp.GradScaler)):
         fail(
             "AMPPrecision", f"scaler={scaler!r:.60}", "an amp_plugin.LossScaler or a torch.amp.GradScaler",

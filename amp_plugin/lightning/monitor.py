@@ -24,17 +24,15 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, r
 from typing_extensions import override
 
 from amp_plugin import clipping, diagnostics
-from amp_plugin.health import (
+from amp_plugin.diagnostics.health import (
     SHOWN_FLAGS,
-    HealthState,
     HealthVerdict,
-    ScaleRecord,
     SkipHealth,
-    check_monitor_state,
-    plot_history,
     validate_monitor_options,
     validate_policy,
 )
+from amp_plugin.diagnostics.health_plot import plot_history
+from amp_plugin.diagnostics.health_state import HealthState, ScaleRecord, check_monitor_state
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning.plugin import AMPPrecision
 

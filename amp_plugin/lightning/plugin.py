@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin import autocast, clipping
+from amp_plugin import clipping, fp32_policy, precision
 from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning.checkpoint import (
@@ -32,7 +32,8 @@ from amp_plugin.lightning.checkpoint import (
     scaler_state,
 )
 from amp_plugin.lightning.schedulers import SkipAwareScheduler
-from amp_plugin.scaler import LossScaler, unwrap_optimizer
+from amp_plugin.optim import unwrap_optimizer
+from amp_plugin.scaler import LossScaler
 
 __all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
 
@@ -82,7 +83,7 @@ class AMPPrecision(MixedPrecision):
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip)
         self.kernels = check_backend(kernels)
-        self.fp32_modules = autocast.check_module_classes(fp32_modules)
+        self.fp32_modules = fp32_policy.check_module_classes(fp32_modules)
         self.clip_fused = clip_fused
         self.lr_on_skip = lr_on_skip
         self.requested = precision
@@ -93,7 +94,7 @@ class AMPPrecision(MixedPrecision):
         self.dtype: torch.dtype | None = None
         self.precision = precision  # type: ignore[assignment]  # "auto" until resolved at setup
         self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
-        self._fp32_hooks: autocast.Fp32Modules | None = None
+        self._fp32_hooks: fp32_policy.Fp32Modules | None = None
         self._fast_clip = clip_fused is True
         self._stepped_in_batch = self._want_grad_norm = self._norm_clipped = self._no_clip = False
         self._skips: dict[int, Tensor] = {}  # id(optimizer) -> whether its latest step was skipped
@@ -105,8 +106,8 @@ class AMPPrecision(MixedPrecision):
     # -- set-up ---------------------------------------------------------------------------------
 
     def _resolve(self, device: object) -> tuple[str, torch.dtype]:
-        device_type = autocast.check_device(device, "AMPPrecision")
-        dtype = autocast.resolve_precision(self.requested, device_type)
+        device_type = precision.check_device(device, "AMPPrecision")
+        dtype = precision.resolve_precision(self.requested, device_type)
         # A scaler comes only with "16-mixed" (check_arguments), which always resolves to fp16.
         if self.scaler is None and dtype == torch.float16:
             self.scaler = LossScaler(kernels=self.kernels)
@@ -114,7 +115,7 @@ class AMPPrecision(MixedPrecision):
         self.precision = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
         if self.requested == "auto":
             rank_zero_info(
-                f"AMPPrecision('auto') chose {self.precision}: {autocast.auto_precision_reason(device_type)}"
+                f"AMPPrecision('auto') chose {self.precision}: {precision.auto_precision_reason(device_type)}"
             )
         return device_type, dtype
 
@@ -132,7 +133,7 @@ class AMPPrecision(MixedPrecision):
         module = checks.lightning_module(model)  # strategies hand over their wrapper (DDP, ...)
         checks.check_fit_start(module, optimizers, device, dtype, grad_scaling=self.scaler is not None)
         if self._fp32_hooks is None and self.fp32_modules:
-            self._fp32_hooks = autocast.force_fp32(module, self.fp32_modules)
+            self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
         if isinstance(module, LightningModule) and (trainer := _compat.attached_trainer(module)) is not None:
             self._fast_clip = self.clip_fused is True or (
                 self.clip_fused == "auto" and not checks.hooks_observe_gradients(module, trainer)

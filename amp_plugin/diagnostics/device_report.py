@@ -1,4 +1,4 @@
-"""What this machine supports for mixed precision; public through :mod:`amp_plugin.diagnostics`.
+"""What this machine supports for mixed precision, and which precision to use; behind ``doctor``.
 
 Reads versions through package metadata (Lightning is not imported) and initialises CUDA only
 when it is available. Plain torch.
@@ -6,7 +6,6 @@ when it is available. Plain torch.
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 import time
 from collections.abc import Callable
@@ -16,7 +15,9 @@ import torch
 
 from amp_plugin import _imports
 from amp_plugin._validation import check_bool, check_number, fail
-from amp_plugin.autocast import auto_precision_reason, resolve_precision
+from amp_plugin.precision import auto_precision_reason, resolve_precision
+
+__all__ = ["device_report", "format_device_report"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PRECISION_NAMES = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
@@ -63,19 +64,12 @@ def device_report(measure: bool = True, *, budget_s: float = 0.2) -> dict[str, A
     }
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _versions() -> dict[str, str | None]:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "lightning": _version("lightning") or _version("pytorch-lightning"),
-        "amp_plugin": _version("amp_plugin"),
+        "lightning": _imports.package_version("lightning") or _imports.package_version("pytorch-lightning"),
+        "amp_plugin": _imports.package_version("amp_plugin"),
     }
 
 

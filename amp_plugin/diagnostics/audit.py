@@ -1,6 +1,6 @@
-"""Static checks that return :class:`Finding` objects: model audit and optimizer set-up.
+"""The model audit: fp16 hazards found without running the model, as :class:`Finding` objects.
 
-Public through :mod:`amp_plugin.diagnostics`. Plain torch.
+:mod:`amp_plugin.diagnostics.optimizer_check` reports its findings the same way. Plain torch.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from torch import Tensor, nn
 
 from amp_plugin._validation import check_int, fail
 
+__all__ = ["FP16_MAX", "FP16_MIN_NORMAL", "FP16_TINY", "AuditReport", "Finding", "audit_model", "join_names"]
+
 Severity = Literal["error", "warning", "info"]
 
-FP16_MAX = 65504.0
+FP16_MAX = 65504.0  # largest finite fp16 value
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: anything smaller rounds to 0
 FP16_MIN_NORMAL = 2.0**-14  # below this fp16 keeps fewer than 11 significant bits
 _NATIVE_NORMS: tuple[type[nn.Module], ...] = (
@@ -36,7 +38,12 @@ _UPCASTS = re.compile(r"\.float\(\)|float32|torch\.float\b|\.double\(\)|autocast
 class Finding:
     """One problem found by a check: ``severity`` ("error", "warning" or "info"), a stable
     ``code``, a ``message`` that says what, why and ``HINT:`` the fix, and ``where`` (names of
-    the parameters, buffers or modules concerned)."""
+    the parameters, buffers or modules concerned).
+
+    Example:
+        >>> print(Finding("warning", "bce-loss", "BCELoss under autocast. HINT: use BCEWithLogitsLoss."))
+        warning: BCELoss under autocast. HINT: use BCEWithLogitsLoss.
+    """
 
     severity: Severity
     code: str
@@ -58,7 +65,13 @@ class Finding:
 
 @dataclass(frozen=True)
 class AuditReport:
-    """What :func:`audit_model` found; ``ok`` when there is no error."""
+    """What :func:`audit_model` found; ``ok`` when there is no error.
+
+    Example:
+        >>> report = audit_model(nn.Linear(3, 8))
+        >>> report.ok, report.counts()
+        (True, {'error': 0, 'warning': 0, 'info': 1})
+    """
 
     model: str
     findings: tuple[Finding, ...] = field(default_factory=tuple)
@@ -99,7 +112,12 @@ class AuditReport:
 
 
 def join_names(names: Sequence[str], limit: int = 5) -> str:
-    """``"a, b, c and 2 more"``: the first ``limit`` names, for a message."""
+    """``"a, b, c and 2 more"``: the first ``limit`` names, for a message.
+
+    Example:
+        >>> join_names(["a", "b", "c", "d", "e"], limit=3)
+        'a, b, c and 2 more'
+    """
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 

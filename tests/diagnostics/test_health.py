@@ -1,4 +1,4 @@
-"""SkipHealth on scripted histories (LossScaleMonitor's own state: tests/lightning/test_monitor.py)."""
+"""Tests for ``amp_plugin.diagnostics.health`` and ``health_state``: SkipHealth on scripted histories."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from amp_plugin.health import SkipHealth
+from amp_plugin.diagnostics.health import SkipHealth
 
 
 def _run(health: SkipHealth, flags: str, scales: dict[int, float] | None = None) -> list[tuple[int, str]]:

@@ -1,6 +1,6 @@
 """The non-finite tracer: which module first produced inf/NaN, in forward or in backward.
 
-Public through :mod:`amp_plugin.diagnostics`. Plain torch.
+Plain torch: nothing here imports Lightning; a detached tracer costs nothing.
 """
 
 from __future__ import annotations
@@ -19,16 +19,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from amp_plugin._validation import fail
+from amp_plugin.diagnostics.audit import FP16_MAX
+from amp_plugin.diagnostics.nonfinite import dtype_name, nonfinite_kind
 
-FP16_MAX = 65504.0
-
-
-def nonfinite_kind(has_inf: bool, has_nan: bool) -> str:
-    return "inf and nan" if has_inf and has_nan else ("inf" if has_inf else "nan")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+__all__ = ["NonFiniteRecord", "NonFiniteTracer"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +33,11 @@ class NonFiniteRecord:
     ``module`` from elsewhere, and ``origin`` says from where: code between submodules in
     its parent's ``forward``, the loss, or the model's input. ``blame_cls`` is the class of
     the module whose code produced them (empty for the loss or the input).
+
+    Example:
+        >>> record = NonFiniteRecord("forward", "head", "Linear", "its output", "inf", torch.float16, 7e4)
+        >>> print(record.message())
+        head (Linear, float16) produced inf in forward (its output); largest finite |x| 7e+04 > 65504 ...
     """
 
     phase: Literal["forward", "backward"]

@@ -1,17 +1,4 @@
-"""Find where inf/NaN come from, check an optimizer set-up at fit start, audit a model for fp16.
-
-This is the public module; the larger pieces live in private modules next to it:
-
-* :func:`nonfinite_gradients` (here) names the parameters whose gradient holds inf/NaN,
-  for a skipped step.
-* :class:`NonFiniteTracer` (``_tracer.py``) hooks every submodule while attached and records
-  the first one, in execution order, whose output or gradient went non-finite.
-* :func:`check_optimizer_setup` (``_optimizer_check.py``) turns torch's late errors
-  ("Attempting to unscale FP16 gradients", "No inf checks were recorded") into findings
-  at fit start.
-* :func:`audit_model` (``_audit.py``) finds fp16 hazards in a model; :func:`device_report`
-  (``_device_report.py``) says what this machine supports and which precision to use.
-  Together they back ``python -m amp_plugin doctor``.
+"""Which parameters' gradients hold inf/NaN, for a step that was skipped.
 
 Plain torch: nothing here imports Lightning; nothing costs anything until it is called.
 """
@@ -24,29 +11,39 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from amp_plugin._audit import AuditReport, Finding, audit_model
-from amp_plugin._device_report import device_report, format_device_report
-from amp_plugin._optimizer_check import check_optimizer_setup
-from amp_plugin._tracer import NonFiniteRecord, NonFiniteTracer, dtype_name, nonfinite_kind
 from amp_plugin._validation import check_int, fail
 
-__all__ = [
-    "AuditReport",
-    "Finding",
-    "NonFiniteGradient",
-    "NonFiniteRecord",
-    "NonFiniteTracer",
-    "audit_model",
-    "check_optimizer_setup",
-    "device_report",
-    "format_device_report",
-    "nonfinite_gradients",
-]
+__all__ = ["NonFiniteGradient", "dtype_name", "nonfinite_gradients", "nonfinite_kind"]
+
+
+def nonfinite_kind(has_inf: bool, has_nan: bool) -> str:
+    """``"inf"``, ``"nan"`` or ``"inf and nan"``: the words for what a tensor holds.
+
+    Example:
+        >>> nonfinite_kind(True, False), nonfinite_kind(True, True)
+        ('inf', 'inf and nan')
+    """
+    return "inf and nan" if has_inf and has_nan else ("inf" if has_inf else "nan")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype's name without the ``torch.`` prefix, for a message.
+
+    Example:
+        >>> dtype_name(torch.bfloat16)
+        'bfloat16'
+    """
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
 class NonFiniteGradient:
-    """A parameter whose gradient holds inf/NaN; ``str()`` gives a one-line description."""
+    """A parameter whose gradient holds inf/NaN; ``str()`` gives a one-line description.
+
+    Example:
+        >>> str(NonFiniteGradient("head.bias", "nan", 1, 4, torch.float16))
+        'head.bias (nan in 1 of 4 values, float16)'
+    """
 
     name: str
     kind: str  # "inf", "nan" or "inf and nan"

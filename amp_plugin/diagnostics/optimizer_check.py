@@ -1,4 +1,4 @@
-"""Fit-start check of optimizers for mixed precision; public through :mod:`amp_plugin.diagnostics`.
+"""Fit-start check of optimizers for mixed precision.
 
 Turns what torch reports late and obscurely ("Attempting to unscale FP16 gradients", "No inf
 checks were recorded for this optimizer") into findings that name the parameters. Plain torch.
@@ -13,9 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from amp_plugin._audit import Finding, join_names
 from amp_plugin._validation import check_bool, check_device_type, fail
-from amp_plugin.scaler import unwrap_optimizer
+from amp_plugin.diagnostics.audit import Finding, join_names
+from amp_plugin.optim import unwrap_optimizer
+
+__all__ = ["check_optimizer_setup"]
 
 _CALL = "check_optimizer_setup"
 
@@ -41,7 +43,7 @@ def check_optimizer_setup(
         model: the model being trained.
         optimizers: an optimizer or several (wrappers such as ``LightningOptimizer`` are unwrapped).
         device_type: the autocast device type, e.g. ``"cuda"`` (a ``torch.device`` or ``"cuda:0"``
-            counts as its type; see :func:`~amp_plugin.autocast.check_device`).
+            counts as its type; see :func:`~amp_plugin.precision.check_device`).
         dtype: the autocast dtype, ``torch.float16`` or ``torch.bfloat16``.
         master_weights: whether fp32 master copies of half-precision parameters are kept.
         grad_scaling: whether the loss is scaled; ``None`` means "when ``dtype`` is float16".

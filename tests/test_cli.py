@@ -1,4 +1,4 @@
-"""`python -m amp_plugin doctor`: report, model audit, JSON output, exit codes and error paths."""
+"""Tests for ``amp_plugin.cli`` (`python -m amp_plugin`): doctor, model audit, JSON, exit codes, errors."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from amp_plugin.__main__ import load_model, main
+from amp_plugin import __version__
+from amp_plugin.cli import load_model, main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 NOT_CALLABLE = 3
 
 
@@ -56,7 +57,7 @@ def test_doctor_json_parses(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_doctor_audits_a_bad_model_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--no-measure", "--model", "tests.unit.test_main:bad_model"]) == 1
+    assert main(["doctor", "--no-measure", "--model", "tests.test_cli:bad_model"]) == 1
     out = capsys.readouterr().out
     assert "Audit of Sequential: 1 error, 1 warning, 2 info" in out
     for code in ("nonfinite-values", "fp16-overflow", "norm-eps", "tensor-core-size"):
@@ -64,26 +65,26 @@ def test_doctor_audits_a_bad_model_and_exits_1(capsys: pytest.CaptureFixture[str
 
 
 def test_doctor_json_with_a_model(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--json", "--no-measure", "--model", "tests.unit.test_main:bad_model"]) == 1
+    assert main(["doctor", "--json", "--no-measure", "--model", "tests.test_cli:bad_model"]) == 1
     audit = json.loads(capsys.readouterr().out)["audit"]
     assert audit["ok"] is False and audit["counts"] == {"error": 1, "warning": 1, "info": 2}
 
 
 def test_doctor_passes_a_clean_model(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--no-measure", "--model", "tests.unit.test_main:clean_model"]) == 0
+    assert main(["doctor", "--no-measure", "--model", "tests.test_cli:clean_model"]) == 0
     assert "No fp16 hazards found" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ("tests.unit.test_main", r"is not a factory spec; expected 'package.module:factory'"),
-        ("tests.unit.test_main:", r"is not a factory spec"),
+        ("tests.test_cli", r"is not a factory spec; expected 'package.module:factory'"),
+        ("tests.test_cli:", r"is not a factory spec"),
         ("no_such_package.models:build", r"importing 'no_such_package.models' failed \(ModuleNotFoundError"),
-        ("tests.unit.test_main:missing", r"has no attribute 'missing'; expected a callable"),
-        ("tests.unit.test_main:NOT_CALLABLE", r"'NOT_CALLABLE' is a int, not callable"),
-        ("tests.unit.test_main:not_a_model", r"not_a_model\(\) returned a dict; expected a torch.nn.Module"),
-        ("tests.unit.test_main:broken_factory", r"calling broken_factory\(\) raised RuntimeError"),
+        ("tests.test_cli:missing", r"has no attribute 'missing'; expected a callable"),
+        ("tests.test_cli:NOT_CALLABLE", r"'NOT_CALLABLE' is a int, not callable"),
+        ("tests.test_cli:not_a_model", r"not_a_model\(\) returned a dict; expected a torch.nn.Module"),
+        ("tests.test_cli:broken_factory", r"calling broken_factory\(\) raised RuntimeError"),
     ],
 )
 def test_doctor_model_errors_exit_2_with_a_message(
@@ -104,6 +105,36 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--bogus"]) == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     assert main(["--help"]) == 0
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"amp_plugin {__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["doctor", "--jsn"], "HINT: did you mean --json?"),
+        (["doctor", "--no-measure", "--modle=m:f"], "HINT: did you mean --model?"),
+        (["doctor", "--frobnicate"], ""),
+    ],
+)
+def test_a_mistyped_option_is_reported_by_its_subcommand(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: amp-plugin doctor ")  # the subcommand's usage, not the top level's
+    wrong = argv[-1]
+    assert f"amp-plugin doctor: error: unrecognized arguments: {wrong} (doctor does not know {wrong!r}" in err
+    assert "its options: -h/--help, --model MODULE:FACTORY, --json, --no-measure)" in err
+    assert hint in err and ("HINT" in err) == bool(hint)
+
+
+def test_an_option_before_the_subcommand_is_the_top_levels(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--jsn", "doctor"]) == 2
+    assert "amp-plugin: error: unrecognized arguments: --jsn" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -135,7 +166,14 @@ def test_load_model_accepts_a_class_and_dotted_attributes() -> None:
 
 def test_console_script_points_at_main() -> None:
     (entry,) = importlib.metadata.entry_points(group="console_scripts", name="amp-plugin")
-    assert entry.value == "amp_plugin.__main__:main"
+    assert entry.value == "amp_plugin.cli:main"
+    assert entry.load() is main
+
+
+def test_dunder_main_runs_the_cli() -> None:
+    import amp_plugin.__main__ as dunder_main  # importing it runs nothing
+
+    assert dunder_main.main is main
 
 
 def test_python_dash_m_entry_point() -> None:
@@ -149,3 +187,15 @@ def test_python_dash_m_entry_point() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["device"]["versions"]["torch"] == torch.__version__
+
+
+def test_python_dash_m_version_and_a_mistyped_option() -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "amp_plugin", *args]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+
+    version = run("--version")
+    assert (version.returncode, version.stdout) == (0, f"amp_plugin {__version__}\n"), version.stderr
+    typo = run("doctor", "--jsn")
+    assert typo.returncode == 2 and typo.stdout == ""
+    assert "doctor does not know '--jsn'" in typo.stderr and "HINT: did you mean --json?" in typo.stderr

@@ -1,4 +1,4 @@
-"""Reference backend: torch's own fused multi-tensor ops, on CPU and CUDA.
+"""Reference backend (``"torch"``): torch's own fused multi-tensor ``_foreach`` ops, on CPU and CUDA.
 
 Every launch is per ``(device, dtype)`` group, zero-numel tensors are skipped, and no
 operation reads a value back to the host.
@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from amp_plugin.kernels.base import group_by_device_and_dtype
+from amp_plugin.kernels.base import group_by_device_and_dtype, to_device
 
-__all__ = ["TorchKernels", "reference_norm"]
+__all__ = ["TorchKernels"]
 
 _GroupNorm = Callable[[list[Tensor], float], Tensor]
 
@@ -42,7 +42,7 @@ class TorchKernels:
                 else:
                     local = torch.zeros((), dtype=torch.float32, device=device)
                     torch._amp_foreach_non_finite_check_and_unscale_(group, local, inv_scale.to(device))
-                    torch.maximum(found_inf, _to(local, found_inf.device), out=found_inf)
+                    torch.maximum(found_inf, to_device(local, found_inf.device), out=found_inf)
 
     def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor:
         return _total_norm(tensors, norm_type, _foreach_group_norm if exact else _group_norm)
@@ -50,24 +50,7 @@ class TorchKernels:
     def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
         with torch.no_grad():
             for (device, _), group in group_by_device_and_dtype(tensors).items():
-                torch._foreach_mul_(group, _to(factor, device))
-
-
-def _to(tensor: Tensor, device: torch.device) -> Tensor:
-    """Copy across devices without a host sync where that is safe.
-
-    A non-blocking copy into CPU memory may still be in flight when the host reads it next,
-    so only copies onto an accelerator are made non-blocking.
-    """
-    return tensor.to(device, non_blocking=device.type != "cpu")
-
-
-def reference_norm(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
-    """The total norm exactly as ``torch.nn.utils.clip_grad_norm_`` computes it, bit for bit.
-
-    Used where the result must match torch's own clipping (gradients already unscaled).
-    """
-    return _total_norm(tensors, norm_type, _foreach_group_norm)
+                torch._foreach_mul_(group, to_device(factor, device))
 
 
 def _total_norm(tensors: Sequence[Tensor], norm_type: float, group_norm: _GroupNorm) -> Tensor:
@@ -76,7 +59,7 @@ def _total_norm(tensors: Sequence[Tensor], norm_type: float, group_norm: _GroupN
         return torch.zeros((), dtype=torch.float32)
     first = next(iter(groups))[0]
     with torch.no_grad():
-        partial = [_to(group_norm(group, norm_type), first) for group in groups.values()]
+        partial = [to_device(group_norm(group, norm_type), first) for group in groups.values()]
         if len(partial) == 1:
             return partial[0]
         total: Tensor = torch.linalg.vector_norm(torch.stack(partial), norm_type)

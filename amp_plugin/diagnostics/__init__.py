@@ -1,0 +1,40 @@
+"""Find where inf/NaN come from, check an optimizer set-up at fit start, audit a model for fp16.
+
+One public module per idea; their main names are importable from here too:
+
+* :mod:`~amp_plugin.diagnostics.nonfinite`: :func:`nonfinite_gradients` names the parameters
+  whose gradient holds inf/NaN, for a skipped step.
+* :mod:`~amp_plugin.diagnostics.tracer`: :class:`NonFiniteTracer` hooks every submodule while
+  attached and records the first one, in execution order, whose output or gradient went non-finite.
+* :mod:`~amp_plugin.diagnostics.optimizer_check`: :func:`check_optimizer_setup` turns torch's late
+  errors ("Attempting to unscale FP16 gradients", "No inf checks were recorded") into findings
+  at fit start.
+* :mod:`~amp_plugin.diagnostics.audit`: :func:`audit_model` finds fp16 hazards in a model;
+  :mod:`~amp_plugin.diagnostics.device_report`: :func:`device_report` says what this machine
+  supports and which precision to use. Together they back ``python -m amp_plugin doctor``.
+* :mod:`~amp_plugin.diagnostics.health`: :class:`~amp_plugin.diagnostics.health.SkipHealth`
+  classifies a run's skipped steps (behind ``LossScaleMonitor``).
+
+Plain torch: nothing here imports Lightning; nothing costs anything until it is called.
+"""
+
+from __future__ import annotations
+
+from amp_plugin.diagnostics.audit import AuditReport, Finding, audit_model
+from amp_plugin.diagnostics.device_report import device_report, format_device_report
+from amp_plugin.diagnostics.nonfinite import NonFiniteGradient, nonfinite_gradients
+from amp_plugin.diagnostics.optimizer_check import check_optimizer_setup
+from amp_plugin.diagnostics.tracer import NonFiniteRecord, NonFiniteTracer
+
+__all__ = [
+    "AuditReport",
+    "Finding",
+    "NonFiniteGradient",
+    "NonFiniteRecord",
+    "NonFiniteTracer",
+    "audit_model",
+    "check_optimizer_setup",
+    "device_report",
+    "format_device_report",
+    "nonfinite_gradients",
+]

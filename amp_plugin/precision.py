@@ -1,0 +1,151 @@
+"""Precision strings: which autocast dtype a string means on a device type, and what ``"auto"`` picks.
+
+``"16-mixed"`` is fp16 and ``"bf16-mixed"`` bf16 on every device type whose autocast runs
+them (fp16 on CPU included, unlike Lightning); ``"auto"`` picks bf16 where the device has it.
+Plain torch: nothing here imports Lightning, and only the device type asked about is initialised.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+
+from amp_plugin._validation import check_device_type
+
+__all__ = [
+    "PRECISIONS",
+    "Precision",
+    "auto_precision_reason",
+    "check_device",
+    "check_precision",
+    "resolve_precision",
+]
+
+Precision = Literal["16-mixed", "bf16-mixed", "auto"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_TO_MIXED = "this plugin does mixed precision (fp32 weights): use '16-mixed' or 'bf16-mixed'"
+# Common near misses (Lightning spellings, dtype names) and the string they meant.
+_HINTS = {
+    **dict.fromkeys(("16", "fp16", "float16", "half", "torch.float16"), "use '16-mixed' for fp16 autocast"),
+    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "use 'bf16-mixed' for bf16 autocast"),
+    **dict.fromkeys(("16-true", "bf16-true", "transformer-engine"), _TO_MIXED),
+    **dict.fromkeys(("32", "32-true", "64", "64-true"), "for full precision drop the AMP plugin"),
+}
+# Device types that compute natively in bf16; torch's default autocast dtype there is bf16 too.
+_BF16_NATIVE = frozenset({"cpu", "hpu", "xla", "maia"})
+
+
+def check_device(device: object, call: str) -> str:
+    """The device type named by ``device`` (a ``str`` or ``torch.device``) if autocast has it.
+
+    An index is dropped (``"cuda:0"`` and ``torch.device("cuda", 0)`` give ``"cuda"``). Whether
+    such a device is present is not checked here. ``call`` names the entry point in the message.
+
+    Raises:
+        TypeError: ``device`` is neither a ``str`` nor a ``torch.device``.
+        ValueError: it names no device type that has autocast (``"gpu"``, ``""``, ``"meta"``, ...).
+
+    Example:
+        >>> check_device("cuda:0", "AMPPrecision"), check_device(torch.device("cpu"), "AMPPrecision")
+        ('cuda', 'cpu')
+    """
+    return check_device_type(call, "device", device)
+
+
+def _supported_dtypes(device_type: str) -> list[torch.dtype]:
+    # As torch.autocast decides: a PrivateUse1 backend declares its dtypes, every other type takes both.
+    if device_type == torch._C._get_privateuse1_backend_name():
+        getter = getattr(getattr(torch, device_type, None), "get_amp_supported_dtype", None)
+        return list(getter()) if getter is not None else []
+    return [torch.bfloat16, torch.float16]
+
+
+def _auto_choice(device_type: str) -> tuple[torch.dtype, str]:
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            return torch.float16, "fp16: CUDA is not available, so its capability is unknown"
+        major, minor = torch.cuda.get_device_capability()
+        if major >= 8:
+            return torch.bfloat16, f"bf16: CUDA device with compute capability {major}.{minor} >= 8.0"
+        return torch.float16, f"fp16: CUDA device with compute capability {major}.{minor} < 8.0 (no bf16)"
+    native = device_type in _BF16_NATIVE or (device_type == "xpu" and torch.xpu.is_bf16_supported())
+    if native or torch.float16 not in _supported_dtypes(device_type):
+        return torch.bfloat16, f"bf16: {device_type.upper()} autocast supports bf16"
+    return torch.float16, f"fp16: no bf16 capability check for device type {device_type!r}"
+
+
+def auto_precision_reason(device_type: str | torch.device) -> str:
+    """Say, in words, which dtype ``"auto"`` picks on ``device_type`` and why.
+
+    Initialises only the device type asked about (CUDA only for ``"cuda"``).
+
+    Example:
+        >>> auto_precision_reason("cpu")
+        'bf16: CPU autocast supports bf16'
+    """
+    return _auto_choice(check_device_type("auto_precision_reason", "device_type", device_type))[1]
+
+
+def check_precision(precision: object) -> Precision:
+    """Validate a precision string; raise ``ValueError`` with the allowed values and a hint.
+
+    Raises:
+        ValueError: ``precision`` is not one of :data:`PRECISIONS`; the hint names the string
+            that a near miss (``"fp16"``, ``"bf16-true"``, ...) meant.
+
+    Example:
+        >>> check_precision("bf16-mixed")
+        'bf16-mixed'
+        >>> check_precision("fp16")
+        Traceback (most recent call last):
+        ...
+        ValueError: Unknown precision 'fp16'; allowed: 16-mixed, bf16-mixed, auto. HINT: use '16-mixed' ...
+    """
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        hint = _HINTS.get(str(precision).strip().lower(), "pick one of the allowed strings")
+        raise ValueError(f"Unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}. HINT: {hint}.")
+    return precision  # type: ignore[return-value]
+
+
+def resolve_precision(precision: str, device_type: str | torch.device) -> torch.dtype:
+    """Turn a precision string into the autocast dtype for ``device_type``.
+
+    ``"16-mixed"`` is fp16 and ``"bf16-mixed"`` bf16, on every device type that supports
+    them (fp16 on CPU included, unlike Lightning, which turns it into bf16). ``"auto"``
+    picks bf16 where the device has it (CPU; CUDA compute capability >= 8.0), else fp16.
+    ``device_type`` is checked by :func:`check_device` (``"cuda:0"`` counts as ``"cuda"``).
+
+    Raises:
+        ValueError: unknown precision string, a device type without autocast, or a dtype
+            the device's autocast cannot run.
+        TypeError: ``device_type`` is neither a ``str`` nor a ``torch.device``.
+
+    Example:
+        >>> resolve_precision("16-mixed", "cpu")
+        torch.float16
+        >>> resolve_precision("auto", "cpu")
+        torch.bfloat16
+    """
+    check_precision(precision)
+    device_type = check_device_type("resolve_precision", "device_type", device_type)
+    dtype = _auto_choice(device_type)[0] if precision == "auto" else _DTYPES[precision]
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"precision={precision!r} on device type 'cuda', but CUDA is not available. "
+            "HINT: run on a machine with a CUDA GPU and a CUDA build of torch, or use device type 'cpu'."
+        )
+    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"precision={precision!r}, but this CUDA device has no bf16 support. HINT: use '16-mixed'."
+        )
+    supported = _supported_dtypes(device_type)
+    if dtype not in supported:
+        other = "'bf16-mixed'" if torch.bfloat16 in supported else "another device type"
+        raise ValueError(
+            f"precision={precision!r} needs {dtype} autocast, but {device_type!r} autocast supports "
+            f"only {supported}. HINT: use {other}."
+        )
+    return dtype

@@ -1,0 +1,181 @@
+"""Contract tests of every kernel backend (``amp_plugin.kernels.base``), with the torch backend as the oracle.
+
+Backends: ``torch``; ``apex-fake`` (the real ``ApexKernels`` dispatch code on CPU, launching a
+pure-torch double of ``amp_C``); and real Apex on CUDA with the scale on the host or the device
+(skipped without a GPU and Apex).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from amp_plugin.kernels import get_kernels
+from amp_plugin.kernels.apex import ApexKernels
+from amp_plugin.kernels.foreach import TorchKernels
+from tests.kernels._tensors import (
+    BF16,
+    CPU,
+    FP16,
+    FP32,
+    MIXES,
+    NONFINITE,
+    ORACLE,
+    REAL_APEX,
+    Backend,
+    assert_bit_identical,
+    clone,
+    fp64_norm,
+    make_grads,
+    recorded_host_reads,
+)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("torch"),
+        pytest.param("apex-fake"),
+        pytest.param("apex-host-scale", marks=REAL_APEX),
+        pytest.param("apex-device-scale", marks=REAL_APEX),
+    ]
+)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    if request.param == "torch":
+        return Backend(TorchKernels(), CPU, CPU)
+    if request.param == "apex-fake":
+        request.getfixturevalue("fake")
+        return Backend(ApexKernels(), CPU, CPU)
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    return Backend(get_kernels("apex", cuda), cuda, CPU if request.param == "apex-host-scale" else cuda)
+
+
+# --- unscale_ ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inv_scale", [2.0**-16, 1 / 3], ids=["pow2", "third"])
+@pytest.mark.parametrize(("where", "value"), NONFINITE)
+@pytest.mark.parametrize("mix", MIXES)
+def test_unscale_is_bit_identical_to_torch(
+    backend: Backend, mix: str, where: str | None, value: float | None, inv_scale: float
+) -> None:
+    grads = make_grads(MIXES[mix], backend.device, where, value)
+    expected, expected_inf = clone(grads), backend.zeros()
+    found_inf = backend.zeros()
+
+    backend.kernels.unscale_(grads, backend.scalar(inv_scale), found_inf)
+    ORACLE.unscale_(expected, backend.scalar(inv_scale), expected_inf)
+
+    assert_bit_identical(grads, expected)
+    assert found_inf.item() == expected_inf.item() == (0.0 if where is None else 1.0)
+
+
+def test_unscale_never_resets_found_inf(backend: Backend) -> None:
+    found_inf = torch.ones((), device=backend.device)
+    backend.kernels.unscale_(make_grads(MIXES["mixed"], backend.device), backend.scalar(0.5), found_inf)
+    assert found_inf.item() == 1.0
+
+
+@pytest.mark.parametrize(
+    "tensors", [[], [torch.empty(0)], [torch.empty(0, 3, dtype=FP16)]], ids=["empty", "0", "0x3"]
+)
+def test_nothing_to_do_is_fine(backend: Backend, tensors: list[Tensor]) -> None:
+    tensors = [tensor.to(backend.device) for tensor in tensors]
+    found_inf = backend.zeros()
+    backend.kernels.unscale_(tensors, backend.scalar(0.5), found_inf)
+    backend.kernels.mul_(tensors, backend.scalar(0.5))
+    assert found_inf.item() == 0.0
+    norm = backend.kernels.norm(tensors)
+    assert (norm.item(), norm.dtype, norm.shape) == (0.0, FP32, ())
+
+
+def test_huge_finite_values_are_not_an_overflow(backend: Backend) -> None:
+    """Only non-finite inputs count: not amp_C's norm flag on fp32 squares, not outputs that overflow."""
+    grads = [
+        torch.tensor(values, dtype=dtype, device=backend.device)
+        for values, dtype in (([1e20, 1.0], FP32), ([1e20], BF16), ([6e4], FP16))
+    ]
+    expected = clone(grads)
+    found_inf = backend.zeros()
+    backend.kernels.norm(grads)  # squares of 1e20 overflow fp32: amp_C's norm flag must not leak
+    backend.kernels.unscale_(grads, backend.scalar(1.0), found_inf)
+    backend.kernels.unscale_(grads, backend.scalar(2.0**16), found_inf)  # 6e4 * 2**16 overflows fp16
+    for factor in (1.0, 2.0**16):
+        ORACLE.unscale_(expected, backend.scalar(factor), backend.zeros())
+    assert_bit_identical(grads, expected)
+    assert math.isinf(grads[2].item())
+    assert found_inf.item() == 0.0
+
+
+# --- norm ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+@pytest.mark.parametrize("mix", MIXES)
+def test_norm_matches_fp64_norm_of_the_concatenation(backend: Backend, mix: str, norm_type: float) -> None:
+    grads = make_grads(MIXES[mix], backend.device)
+    norm = backend.kernels.norm(grads, norm_type)
+    assert (norm.dtype, norm.shape, norm.device) == (FP32, torch.Size([]), backend.device)
+    torch.testing.assert_close(norm.double().cpu(), fp64_norm(grads, norm_type), rtol=1e-6, atol=0)
+
+
+def test_fp16_norm_above_fp16_max_is_finite(backend: Backend) -> None:
+    grads = [torch.full((4,), 60000.0, dtype=FP16, device=backend.device)]
+    assert backend.kernels.norm(grads).item() == pytest.approx(120000.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+@pytest.mark.parametrize(("where", "value"), NONFINITE[1:])
+def test_nonfinite_input_gives_nonfinite_norm(
+    backend: Backend, where: str, value: float, norm_type: float
+) -> None:
+    grads = make_grads(MIXES["mixed"], backend.device, where, value)
+    assert not torch.isfinite(backend.kernels.norm(grads, norm_type))
+
+
+# --- mul_ ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factor", [0.1, 2.0**-7])
+@pytest.mark.parametrize("mix", MIXES)
+def test_mul_is_bit_identical_to_torch(backend: Backend, mix: str, factor: float) -> None:
+    grads = make_grads(MIXES[mix], backend.device, "middle", math.nan)
+    expected = clone(grads)
+    backend.kernels.mul_(grads, backend.scalar(factor))
+    ORACLE.mul_(expected, backend.scalar(factor))
+    assert_bit_identical(grads, expected)
+
+
+# --- host syncs ----------------------------------------------------------------------------------
+
+
+def test_no_value_is_read_back_except_a_host_resident_scale(backend: Backend) -> None:
+    grads = make_grads(MIXES["mixed"], backend.device, "middle", math.inf)
+    scale, found_inf = backend.scalar(0.5), backend.zeros()
+    with recorded_host_reads() as reads:
+        backend.kernels.unscale_(grads, scale, found_inf)
+        backend.kernels.mul_(grads, scale)
+        for norm_type in (2.0, 1.0):
+            backend.kernels.norm(grads, norm_type)
+    assert not [tensor for tensor in reads if tensor is not scale]
+    if isinstance(backend.kernels, TorchKernels) or backend.scalar_device.type != "cpu":
+        assert not reads
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["torch", pytest.param("apex", marks=pytest.mark.apex)])
+def test_no_device_sync_on_cuda(name: str) -> None:
+    kernels = get_kernels(name, "cuda")  # type: ignore[arg-type]
+    grads = make_grads(MIXES["mixed"], torch.device("cuda"), "last", math.nan)
+    scale, found_inf = torch.tensor(0.5, device="cuda"), torch.zeros((), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernels.unscale_(grads, scale, found_inf)
+        kernels.mul_(grads, scale)
+        kernels.norm(grads)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert found_inf.item() == 1.0

@@ -1,0 +1,36 @@
+"""Tests for ``amp_plugin.kernels.foreach``, the torch backend: its exact and fast norms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from amp_plugin.kernels import get_kernels
+
+
+def test_torch_norm_exact_is_torchs_clip_norm_and_fast_norm_is_more_accurate() -> None:
+    from amp_plugin.distributed import GlobalNormKernels
+
+    torch.manual_seed(3)
+    grads = [torch.randn(3_000_000), torch.randn(7), torch.randn(50_000)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    torch_norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
+    kernels = get_kernels("torch")
+    assert torch.equal(kernels.norm(grads, exact=True), torch_norm)
+    assert torch.equal(GlobalNormKernels(kernels).norm(grads, exact=True), torch_norm)  # forwarded
+    truth = torch.cat(grads).double().norm()
+    fast = kernels.norm(grads)
+    assert fast.dtype == torch.float32
+    assert abs(fast.double() - truth) / truth < 1e-5
+    assert abs(fast.double() - truth) <= abs(torch_norm.double() - truth)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_fast_cpu_norm_flags_nonfinite_and_handles_strided(bad: float) -> None:
+    grads = [torch.randn(8, 8).t(), torch.randn(100)]  # one non-contiguous tensor
+    expected = torch.cat([g.reshape(-1) for g in grads]).double().norm()
+    assert torch.isclose(get_kernels("torch").norm(grads).double(), expected, rtol=1e-6)
+    grads[1][50] = bad
+    assert not torch.isfinite(get_kernels("torch").norm(grads))
