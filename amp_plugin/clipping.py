@@ -35,7 +35,13 @@ _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds the same to the norm
 
 
 class ClipResult(NamedTuple):
-    """What a norm clip did.
+    """What a norm clip did (returned by :func:`clip_grad_norm_`).
+
+    Example:
+        >>> from amp_plugin.kernels import get_kernels
+        >>> res = clip_grad_norm_(get_kernels("torch"), [torch.tensor([3.0, 4.0])], 10.0)
+        >>> res.total_norm.item(), res.found_inf.item(), res.grad_scale
+        (5.0, 0.0, None)
 
     Attributes:
         total_norm: the total norm of the unscaled gradients before clipping (fp32, 0-dim).
@@ -53,6 +59,12 @@ def gradients(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
     """The dense gradient tensors of an optimizer's parameter groups, in group order.
 
     Sparse gradients are rejected: neither the fused kernels nor the fold path support them.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> [tuple(g.shape) for g in gradients(torch.optim.SGD(model.parameters(), lr=0.1).param_groups)]
+        [(1, 2), (1,)]
     """
     grads: list[Tensor] = []
     for group in param_groups:
@@ -71,7 +83,12 @@ def gradients(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / (total_norm + 1e-6))``, as in ``torch.nn.utils.clip_grad_norm_``."""
+    """``min(1, max_norm / (total_norm + 1e-6))``, as in ``torch.nn.utils.clip_grad_norm_``.
+
+    Example:
+        >>> clip_coefficient(torch.tensor(4.0), 1.0), clip_coefficient(torch.tensor(0.5), 1.0)
+        (tensor(0.2500), tensor(1.))
+    """
     return torch.clamp(max_norm / (total_norm + _EPS), max=1.0)
 
 
@@ -133,6 +150,18 @@ class UnscaledClipping:
 
     Mixed into :class:`~amp_plugin.LossScaler`, whose per-optimizer state tells whether the
     gradients in memory still carry the scale (or a folded clip factor). Not used alone.
+
+    Example:
+        >>> from amp_plugin import LossScaler
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = LossScaler("cpu", init_scale=1024.0)
+        >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
+        >>> grad_before = model.weight.grad.clone()  # [3, 4] times the scale
+        >>> round(scaler.clip_grad_norm_(opt, max_norm=1.0).item(), 4)  # the unscaled norm
+        5.0
+        >>> [round(g, 4) for g in model.weight.grad.flatten().tolist()]  # unscaled and clipped
+        [0.6, 0.8]
     """
 
     _enabled: bool

@@ -58,7 +58,12 @@ _STATE_KEYS = ("scale", "_growth_tracker", "_hysteresis_tracker", "skipped_steps
 
 
 def check_sync_mode(mode: object, call: str = "LossScaler") -> SyncMode:
-    """Validate ``sync_found_inf``: ``"auto"``, ``True`` or ``False``; else ``ValueError`` naming ``call``."""
+    """Validate ``sync_found_inf``: ``"auto"``, ``True`` or ``False``; else ``ValueError`` naming ``call``.
+
+    Example:
+        >>> check_sync_mode("auto"), check_sync_mode(False)
+        ('auto', False)
+    """
     hint = "'auto' all-reduces the inf flag whenever torch.distributed runs with more than one process."
     return check_choice(call, "sync_found_inf", mode, ("auto", True, False), hint)  # type: ignore[no-any-return]
 
@@ -101,7 +106,12 @@ def _check_flag(call: str, name: str, value: object) -> None:
 
 
 def sync_enabled(mode: SyncMode, group: Any = None) -> bool:
-    """Whether the inf flag must be all-reduced across ``group`` under ``mode``."""
+    """Whether the inf flag must be all-reduced across ``group`` under ``mode``.
+
+    Example:
+        >>> sync_enabled("auto")  # no process group: one process has nothing to agree with
+        False
+    """
     check_choice("sync_enabled", "mode", mode, ("auto", True, False), "pass LossScaler's sync_found_inf.")
     _check_group(group, "sync_enabled")
     if mode is False:
@@ -118,10 +128,17 @@ def all_reduce_found_inf(found_inf: Tensor, group: Any = None) -> Tensor:
     """All-reduce the inf flag with MAX across ``group``, in place, without a host sync.
 
     One collective of one fp32 element. NCCL reduces only CUDA tensors, so a flag held
-    elsewhere travels through the backend's device and back.
+    elsewhere travels through the backend's device and back. With one process (or no
+    process group) there is nothing to agree with, and the flag is returned as it is.
+
+    Example:
+        >>> all_reduce_found_inf(torch.tensor(1.0))
+        tensor(1.)
     """
     _check_flag("all_reduce_found_inf", "found_inf", found_inf)
     _check_group(group, "all_reduce_found_inf")
+    if _world_size(group) == 1:
+        return found_inf
     _all_reduce_(found_inf, dist.ReduceOp.MAX, group)
     return found_inf
 

@@ -27,7 +27,22 @@ _TRACKERS = ("growth_tracker", "hysteresis_tracker", "skipped", "last_inf", "flo
 
 
 class ScaleFloorWarning(RuntimeWarning):
-    """The loss scale backed off to its floor: gradients overflow whatever the scale."""
+    """The loss scale backed off to its floor: gradients overflow whatever the scale.
+
+    Said once per scaler, with the step and a hint. Escalate it to an error with
+    :mod:`warnings` filters where a run should stop instead.
+
+    Example:
+        >>> import warnings
+        >>> s = DynamicScale(2.0, 2.0, 0.5, 2000, min_scale=2.0)
+        >>> _ = s.ensure(torch.device("cpu"))
+        >>> s.update_(torch.tensor(1.0))  # an overflow at the floor
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = s.value()
+        >>> [type(w.message).__name__ for w in caught]
+        ['ScaleFloorWarning']
+    """
 
 
 class DynamicScale:
