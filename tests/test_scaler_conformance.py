@@ -288,36 +288,32 @@ SWAP_AT = frozenset({4, 7, 12})
 GROWING = {"init_scale": 2.0**6, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 3}
 
 
-def test_state_dict_round_trip_mid_run_continues_identically() -> None:
-    def reload(scaler: Scaler) -> Scaler:
-        fresh = loss_scaler()  # default arguments: everything must come from the state dict
+def _reloaded_into(make: Callable[[], Scaler]) -> Callable[[Scaler], Scaler]:
+    """A swap that carries a scaler's state dict into a fresh scaler made with default arguments."""
+
+    def swap(scaler: Scaler) -> Scaler:
+        fresh = make()  # default arguments: everything must come from the state dict
         fresh.load_state_dict(scaler.state_dict())
         return fresh
 
-    theirs, _ = run_twins(_checkpoint_loop(SWAP_AT, reload), **GROWING)
+    return swap
+
+
+def test_state_dict_round_trip_mid_run_continues_identically() -> None:
+    theirs, _ = run_twins(_checkpoint_loop(SWAP_AT, _reloaded_into(loss_scaler)), **GROWING)
     assert len(set(theirs.scales)) >= 4
 
 
 def test_loss_scaler_continues_from_a_grad_scaler_state_dict() -> None:
-    def from_torch(scaler: Scaler) -> Scaler:
-        fresh = loss_scaler()
-        fresh.load_state_dict(scaler.state_dict())
-        return fresh
-
     theirs = _checkpoint_loop()(grad_scaler(**GROWING), "torch")
     # the "ours" arm runs GradScaler for 7 iterations, then LossScaler from its state dict
-    ours = _checkpoint_loop(frozenset({7}), from_torch)(grad_scaler(**GROWING), "ours")
+    ours = _checkpoint_loop(frozenset({7}), _reloaded_into(loss_scaler))(grad_scaler(**GROWING), "ours")
     assert_same_traces(theirs, ours)
 
 
 def test_grad_scaler_continues_from_a_loss_scaler_state_dict() -> None:
-    def to_torch(scaler: Scaler) -> Scaler:
-        fresh = grad_scaler()
-        fresh.load_state_dict(scaler.state_dict())
-        return fresh
-
     theirs = _checkpoint_loop()(grad_scaler(**GROWING), "torch")
-    ours = _checkpoint_loop(frozenset({7}), to_torch)(loss_scaler(**GROWING), "ours")
+    ours = _checkpoint_loop(frozenset({7}), _reloaded_into(grad_scaler))(loss_scaler(**GROWING), "ours")
     assert_same_traces(theirs, ours)
 
 
