@@ -1,0 +1,62 @@
+"""The guides' code runs: every ```python block in README.md and docs/*.md is executed.
+
+A block written as a ``>>>`` session runs as a doctest, so its shown output is checked too.
+A block that cannot run here (it needs a GPU, several processes, a user's own model or
+data) is preceded by ``<!-- no-run: why -->``; the reason is required. Blocks of one page
+run in order in one namespace, so a page can build on its earlier blocks, as a reader would.
+A session sees the names of the blocks before it, but what it defines stays in it (doctest
+runs it on a copy of the namespace), so each session imports what it uses itself.
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_BLOCK = re.compile(r"(?:<!--\s*no-run:(?P<why>[^>]*)-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
+
+
+def _blocks(page: Path) -> list[tuple[int, str, str | None]]:
+    text = page.read_text()
+    return [
+        (text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("why"))
+        for m in _BLOCK.finditer(text)
+    ]
+
+
+def test_every_skipped_block_says_why() -> None:
+    for page in PAGES:
+        for line, _, why in _blocks(page):
+            assert why is None or why.strip(), f"{page.name}:{line}: no-run needs a reason"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a temporary folder
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
+    for line, code, why in _blocks(page):
+        if why is not None:
+            continue
+        if code.lstrip().startswith(">>>"):
+            _run_doctest(code, namespace, f"{page.name}:{line}")
+            continue
+        try:
+            exec(compile(code, f"{page.name}:{line}", "exec"), namespace)
+        except Exception as err:
+            raise AssertionError(f"{page.name}, the block at line {line} failed: {err!r}") from err
+
+
+def _run_doctest(code: str, namespace: dict[str, object], where: str) -> None:
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    test = doctest.DocTestParser().get_doctest(code, namespace, where, where, 0)
+    runner = doctest.DocTestRunner(optionflags=flags)
+    report: list[str] = []
+    runner.run(test, out=report.append, clear_globs=False)
+    assert runner.failures == 0, f"{where}: the session's output differs:\n" + "".join(report)
