@@ -240,7 +240,8 @@ def _values(model: nn.Module) -> Iterator[Finding]:
             "fp16-params",
             f"{len(half)} parameter(s) are stored in float16 ({join_names(half)}). Mixed precision keeps "
             "fp32 parameters and lets autocast cast per op; float16 parameters get float16 gradients, which "
-            "the loss scaler cannot unscale. HINT: remove `.half()` / `.to(torch.float16)` from the model.",
+            "overflow under loss scaling, and lose updates below their float16 spacing (torch's GradScaler "
+            "refuses to unscale them). HINT: remove `.half()` / `.to(torch.float16)` from the model.",
             tuple(half),
         )
     for kind, name, t in tensors:

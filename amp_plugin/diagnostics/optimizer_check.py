@@ -120,8 +120,10 @@ def _precision_findings(ctx: _OptContext, scaling: bool, master_weights: bool) -
             "error",
             "fp16-params",
             f"{ctx.label} holds {len(fp16)} float16 parameter(s) ({join_names(fp16)}) while fp16 loss "
-            "scaling is on. Their gradients are float16, which the scaler refuses to unscale because small "
-            'values would underflow (torch fails later with "Attempting to unscale FP16 gradients"). '
+            "scaling is on and there are no fp32 master weights. Their gradients are float16 too: times the "
+            "loss scale they overflow at 65504 far sooner than fp32 ones, and the optimizer updates float16 "
+            "weights directly, so updates below a weight's float16 spacing are lost (torch's GradScaler "
+            'refuses them: "Attempting to unscale FP16 gradients"). '
             "HINT: keep the parameters in float32 under autocast (remove `.half()` from the model), or use "
             "precision='bf16-mixed'.",
             tuple(fp16),
