@@ -145,7 +145,7 @@ def workloads(device: str, steps: int, tiny_steps: int, warmup: int) -> list[Wor
     quickstart, fp16_example = _load_example("quickstart"), _load_example("fp16_scaler")
     cuda = device == "cuda"
     big = {"d_model": 1024, "layers": 8, "heads": 16, "batch_size": 256}
-    tconfig = quickstart.Config(**big) if cuda else quickstart.Config()
+    tconfig = quickstart.Config(**big) if cuda else quickstart.Config(d_model=256, batch_size=64)
     width = 4096 if cuda else 1024
     main_setups = (FP32, MP_BF16, AMP_BF16, MP_FP16, AMP_FP16) if cuda else (FP32, MP_BF16, AMP_BF16)
     batches, tiny_batches = steps + warmup, tiny_steps + warmup

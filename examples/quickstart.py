@@ -46,12 +46,16 @@ _BANNERS = ("available:", "Tip: For seamless cloud logging")
 
 @dataclass(frozen=True)
 class Config:
-    """The model and data sizes; the defaults are what the quickstart trains."""
+    """The model and data sizes; the defaults are what the quickstart trains.
 
-    d_model: int = 256
+    Small enough to finish in well under a minute on 2 CPU cores even where the CPU emulates
+    bf16 (no AVX512-BF16 or AMX), and still reaching 100% validation accuracy.
+    """
+
+    d_model: int = 64
     layers: int = 2
     heads: int = 4
-    batch_size: int = 64
+    batch_size: int = 32
     train_samples: int = 8192
     val_samples: int = 1024
     lr: float = 2e-3

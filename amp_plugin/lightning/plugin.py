@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -116,6 +116,14 @@ class AMPPrecision(MixedPrecision):
         if self.requested == "auto":
             rank_zero_info(
                 f"AMPPrecision('auto') chose {self.precision}: {precision.auto_precision_reason(device_type)}"
+            )
+        if device_type == "cpu" and not precision.native_on_cpu(dtype):
+            name = "bf16" if dtype == torch.bfloat16 else "fp16"
+            rank_zero_warn(
+                f"AMPPrecision({self.precision!r}): this CPU has no {name} instructions (AVX512-BF16 or "
+                f"AMX), so CPU autocast emulates {name}, and training typically runs many times slower than "
+                "in fp32. HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU "
+                "with AMX."
             )
         return device_type, dtype
 

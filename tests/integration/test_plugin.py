@@ -406,3 +406,14 @@ def test_plain_data_parallel_under_bf16_warns() -> None:
     module.net = nn.DataParallel(module.net)  # type: ignore[assignment]
     with pytest.warns(UserWarning, match="AutocastDataParallel"):
         _fit(module, AMPPrecision("bf16-mixed"), steps=1)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_cpu_that_emulates_half_precision_is_named(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("amp_plugin.precision.native_on_cpu", lambda dtype: native)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AMPPrecision("bf16-mixed", device="cpu")
+    said = [str(w.message) for w in caught if "emulates bf16" in str(w.message)]
+    assert len(said) == (0 if native else 1)
+    assert native or "HINT: train in fp32" in said[0]
