@@ -12,6 +12,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 __all__ = ["Iteration", "OptimizerState", "Stage"]
@@ -33,6 +34,17 @@ class OptimizerState:
     found_inf: Tensor | None = None
     grad_scale: Tensor | None = None  # the factor the grads still carry once stage is UNSCALED
     synced: bool = False  # found_inf already agreed across ranks (all-reduced, or from a global norm)
+
+    def merge_inf(self, flag: Tensor, agreed: bool) -> None:
+        """Fold a later inf check (``flag`` > 0: overflow) into this optimizer's flag.
+
+        ``agreed``: ``flag`` is the same on every rank already (it came from a global norm).
+        """
+        if self.found_inf is None or self.stage is Stage.READY:
+            self.found_inf, self.synced = flag, agreed
+            return
+        torch.maximum(self.found_inf, flag.to(self.found_inf), out=self.found_inf)
+        self.synced = self.synced and agreed
 
 
 class Iteration:

@@ -223,11 +223,7 @@ class UnscaledClipping:
             kernels or self._backend(), grads, max_norm, norm_type,
             grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
         )  # fmt: skip
-        if ready or state.found_inf is None:
-            state.found_inf, state.synced = result.found_inf, sharded  # a global norm is agreed already
-        else:
-            torch.maximum(state.found_inf, result.found_inf.to(state.found_inf), out=state.found_inf)
-            state.synced = state.synced and sharded
+        state.merge_inf(result.found_inf, agreed=sharded)  # a global norm is agreed already
         state.stage, state.grad_scale = Stage.UNSCALED, result.grad_scale
         return result.total_norm
 
@@ -299,7 +295,7 @@ class UnscaledClipping:
         grads, found = gradients_to_unscale(opt), state.found_inf
         if sum(g.numel() for g in grads) <= _FUSED_CHECK_UP_TO:  # x * 1 == x: values are unchanged
             self._backend().unscale_(grads, torch.ones((), device=found.device), found)
+            state.synced = False
         else:
             norm = self._backend().norm(grads)  # non-finite exactly when a gradient is
-            found.masked_fill_(~torch.isfinite(norm).to(found.device), 1.0)
-        state.synced = False
+            state.merge_inf((~torch.isfinite(norm)).float(), agreed=False)
