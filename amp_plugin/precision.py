@@ -2,6 +2,8 @@
 
 ``"16-mixed"`` is fp16 and ``"bf16-mixed"`` bf16 on every device type whose autocast runs
 them (fp16 on CPU included, unlike Lightning); ``"auto"`` picks bf16 where the device has it.
+``"16-true"`` and ``"bf16-true"`` name the same dtypes with the weights themselves held in
+half precision; ``"32-true"`` is fp32 with autocast off (Apex's O0).
 Plain torch: nothing here imports Lightning, and only the device type asked about is initialised.
 """
 
@@ -23,17 +25,23 @@ __all__ = [
     "resolve_precision",
 ]
 
-Precision = Literal["16-mixed", "bf16-mixed", "auto"]
+Precision = Literal["16-mixed", "bf16-mixed", "auto", "16-true", "bf16-true", "32-true"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
-_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-_TO_MIXED = "this plugin does mixed precision (fp32 weights): use '16-mixed' or 'bf16-mixed'"
+_DTYPES = {
+    "16-mixed": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+    "16-true": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "32-true": torch.float32,
+}
 # Common near misses (Lightning spellings, dtype names) and the string they meant.
 _HINTS = {
     **dict.fromkeys(("16", "fp16", "float16", "half", "torch.float16"), "use '16-mixed' for fp16 autocast"),
     **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "use 'bf16-mixed' for bf16 autocast"),
-    **dict.fromkeys(("16-true", "bf16-true", "transformer-engine"), _TO_MIXED),
-    **dict.fromkeys(("32", "32-true", "64", "64-true"), "for full precision drop the AMP plugin"),
+    "transformer-engine": "for fp8 use Lightning's TransformerEnginePrecision; this plugin does fp16/bf16",
+    **dict.fromkeys(("32", "fp32", "float32"), "use '32-true' for fp32 (autocast off)"),
+    **dict.fromkeys(("64", "64-true"), "for fp64 drop the AMP plugin and use Trainer(precision='64-true')"),
 }
 # Device types that compute natively in bf16; torch's default autocast dtype there is bf16 too.
 _BF16_NATIVE = frozenset({"cpu", "hpu", "xla", "maia"})
@@ -116,7 +124,7 @@ def check_precision(precision: object) -> Precision:
 
     Raises:
         ValueError: ``precision`` is not one of :data:`PRECISIONS`; the hint names the string
-            that a near miss (``"fp16"``, ``"bf16-true"``, ...) meant.
+            that a near miss (``"fp16"``, ``"bf16"``, ...) meant.
 
     Example:
         >>> check_precision("bf16-mixed")
@@ -124,7 +132,7 @@ def check_precision(precision: object) -> Precision:
         >>> check_precision("fp16")
         Traceback (most recent call last):
         ...
-        ValueError: Unknown precision 'fp16'; allowed: 16-mixed, bf16-mixed, auto. HINT: use '16-mixed' ...
+        ValueError: Unknown precision 'fp16'; allowed: 16-mixed, ... HINT: use '16-mixed' ...
     """
     if not isinstance(precision, str) or precision not in PRECISIONS:
         hint = _HINTS.get(str(precision).strip().lower(), "pick one of the allowed strings")
@@ -154,6 +162,8 @@ def resolve_precision(precision: str, device_type: str | torch.device) -> torch.
     check_precision(precision)
     device_type = check_device_type("resolve_precision", "device_type", device_type)
     dtype = _auto_choice(device_type)[0] if precision == "auto" else _DTYPES[precision]
+    if dtype == torch.float32:
+        return dtype  # autocast stays off: nothing to check on the device
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"precision={precision!r} on device type 'cuda', but CUDA is not available. "

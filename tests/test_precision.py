@@ -36,6 +36,14 @@ def test_fp16_on_cpu_is_honoured() -> None:
 
 
 @pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [("16-true", torch.float16), ("bf16-true", torch.bfloat16), ("32-true", torch.float32)],
+)
+def test_true_precisions_name_the_weight_dtype(precision: str, dtype: torch.dtype) -> None:
+    assert resolve_precision(precision, "cpu") == dtype
+
+
+@pytest.mark.parametrize(
     ("precision", "match"),
     [
         ("16", r"Unknown precision '16'.*HINT: use '16-mixed'"),
@@ -43,10 +51,9 @@ def test_fp16_on_cpu_is_honoured() -> None:
         ("fp16", r"HINT: use '16-mixed'"),
         (torch.float16, r"HINT: use '16-mixed'"),
         ("bf16", r"HINT: use 'bf16-mixed'"),
-        ("16-true", r"HINT: this plugin does mixed precision"),
-        ("bf16-true", r"HINT: this plugin does mixed precision"),
-        ("32-true", r"HINT: for full precision drop the AMP plugin"),
-        ("mixed", r"allowed: 16-mixed, bf16-mixed, auto\. HINT: pick one"),
+        ("32", r"HINT: use '32-true'"),
+        ("64-true", r"HINT: for fp64 drop the AMP plugin"),
+        ("mixed", r"allowed: 16-mixed, bf16-mixed, auto, 16-true, bf16-true, 32-true\. HINT: pick one"),
         (None, r"Unknown precision None"),
     ],
 )

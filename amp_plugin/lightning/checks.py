@@ -15,8 +15,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from amp_plugin import autocast, diagnostics
-from amp_plugin._validation import check_choice, fail
+from amp_plugin import autocast, diagnostics, fp32_policy
+from amp_plugin._validation import check_bool, check_choice, check_int, fail
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import check_precision
 from amp_plugin.scaler import LossScaler
@@ -24,6 +24,7 @@ from amp_plugin.scaler import LossScaler
 __all__ = [
     "check_arguments",
     "check_fit_start",
+    "check_half_weights",
     "hooks_observe_gradients",
     "lightning_module",
     "module_device",
@@ -48,9 +49,9 @@ def check_arguments(precision: object, scaler: object, clip_fused: object, lr_on
             "AMPPrecision", f"scaler={scaler!r:.60}", "an amp_plugin.LossScaler or a torch.amp.GradScaler",
             "pass LossScaler(...) (it takes GradScaler's arguments), or leave scaler=None.", TypeError,
         )  # fmt: skip
-    if scaler is not None and precision == "bf16-mixed":
+    if scaler is not None and precision in ("bf16-mixed", "bf16-true", "32-true"):
         raise ValueError(
-            "AMPPrecision(precision='bf16-mixed') does not use a loss scaler, but scaler= was passed. "
+            f"AMPPrecision(precision={precision!r}) does not use a loss scaler, but scaler= was passed. "
             "HINT: drop scaler=, or use precision='16-mixed'."
         )
     if scaler is not None and precision == "auto":
@@ -64,14 +65,61 @@ def check_arguments(precision: object, scaler: object, clip_fused: object, lr_on
     check_choice("AMPPrecision", "lr_on_skip", lr_on_skip, ("hold", "advance"), "use 'hold'.")
 
 
+def check_half_weights(
+    precision: str, master_weights: object, keep_fp32: object, rounding: object, rounding_seed: object
+) -> tuple[type[nn.Module], ...] | None:
+    """Check the half-precision-weight arguments of ``AMPPrecision``; return ``keep_fp32`` as a tuple.
+
+    Master weights go with the "-mixed" precisions (and "auto"), a rounding other than
+    "nearest" with the "-true" ones, where the weights have no fp32 copy.
+
+    Example:
+        >>> check_half_weights("16-mixed", True, None, "nearest", 0)
+        >>> check_half_weights("bf16-true", True, None, "nearest", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: AMPPrecision(precision='bf16-true', master_weights=True) is not allowed: ... HINT: ...
+    """
+    from amp_plugin.rounded_updates import ROUNDINGS
+
+    check_bool("AMPPrecision", "master_weights", master_weights)
+    check_choice("AMPPrecision", "rounding", rounding, ROUNDINGS, "use 'stochastic' (or 'nearest').")
+    check_int("AMPPrecision", "rounding_seed", rounding_seed, low=0)
+    keep = None if keep_fp32 is None else fp32_policy.check_module_classes(keep_fp32)
+    true = precision.endswith("-true")
+    if master_weights and true:
+        fail("AMPPrecision", f"precision={precision!r}, master_weights=True",
+             "master weights with '16-mixed', 'bf16-mixed' or 'auto'",
+             f"use precision={precision.replace('-true', '-mixed')!r} with master_weights=True (fp32 "
+             "masters), or drop master_weights for weights held in half only.")  # fmt: skip
+    if rounding != "nearest" and (not true or precision == "32-true"):
+        fail("AMPPrecision", f"precision={precision!r}, rounding={rounding!r}",
+             "a rounding other than 'nearest' with '16-true' or 'bf16-true' (weights without an fp32 copy)",
+             "use precision='bf16-true' with rounding=..., or drop rounding (fp32 weights and masters "
+             "round nothing away).")  # fmt: skip
+    if keep is not None and not (master_weights or precision in ("16-true", "bf16-true")):
+        fail("AMPPrecision", f"keep_fp32={keep_fp32!r}",
+             "keep_fp32 with master_weights=True or a '16-true'/'bf16-true' precision (only then are "
+             "weights cast)", "drop keep_fp32; under autocast every weight stays fp32 anyway.")  # fmt: skip
+    return keep
+
+
 def check_fit_start(
-    model: nn.Module, optimizers: list[Optimizer], device: str, dtype: torch.dtype, grad_scaling: bool
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    device: str,
+    dtype: torch.dtype,
+    grad_scaling: bool,
+    weights: str = "fp32",
 ) -> None:
     """Refuse a setup that would fail later (``ValueError``); warn about one that would mislead.
 
-    Refused: LBFGS under loss scaling, and the errors of
+    Refused: LBFGS under loss scaling, an ``eps`` that fp16 rounds to zero when the weights
+    and optimizer state are fp16 (``weights="half"``: a zero second moment would divide by zero
+    and write NaN into the weights), and the errors of
     :func:`~amp_plugin.diagnostics.check_optimizer_setup`; its warnings, and a plain
     ``nn.DataParallel`` under bf16 (its replicas would run fp16), are warned about.
+    ``weights`` is ``"fp32"``, ``"master"`` (fp32 masters) or ``"half"`` (a "-true" precision).
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -87,9 +135,15 @@ def check_fit_start(
             "step, which loss scaling cannot skip safely. HINT: use precision='bf16-mixed' or another "
             "optimizer."
         )
+    if dtype == torch.float32:
+        return  # "32-true": no autocast, nothing mixed to check
+    if weights == "half" and dtype == torch.float16:
+        _check_fp16_eps(optimizers)
+    # With master weights or "-true" precisions the half parameters are the plugin's own doing.
     findings = diagnostics.check_optimizer_setup(
-        model, optimizers, device_type=device, dtype=dtype, grad_scaling=grad_scaling
-    )
+        model, optimizers, device_type=device, dtype=dtype, grad_scaling=grad_scaling,
+        master_weights=weights != "fp32",
+    )  # fmt: skip
     errors = [f.message for f in findings if f.severity == "error"]
     if errors:
         raise ValueError("AMPPrecision found problems at fit start:\n- " + "\n- ".join(errors))
@@ -103,6 +157,23 @@ def check_fit_start(
             "amp_plugin.AutocastDataParallel instead.",
             stacklevel=5,
         )
+
+
+def _check_fp16_eps(optimizers: list[Optimizer]) -> None:
+    smallest_normal = torch.finfo(torch.float16).tiny
+    for optimizer in optimizers:
+        opt = unwrap_optimizer(optimizer)
+        for group in opt.param_groups:
+            eps = group.get("eps")
+            if isinstance(eps, (int, float)) and 0 <= eps < smallest_normal:
+                fail(
+                    "AMPPrecision('16-true')", f"{type(opt).__name__}(eps={eps!r})",
+                    f"eps >= {smallest_normal:.3g} (fp16's smallest normal number) when the optimizer state "
+                    "is fp16: a smaller eps rounds to 0, and a zero second moment then divides by zero and "
+                    "writes NaN into the weights",
+                    f"build {type(opt).__name__}(..., eps=1e-4), or use precision='16-mixed' with "
+                    "master_weights=True, or 'bf16-true'.",
+                )  # fmt: skip
 
 
 def lightning_module(model: nn.Module) -> nn.Module:

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -31,6 +32,7 @@ from amp_plugin.lightning.checkpoint import (
     load_scaler_state,
     scaler_state,
 )
+from amp_plugin.lightning.half_weights import HalfWeights
 from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.scaler import LossScaler
@@ -46,7 +48,10 @@ class AMPPrecision(MixedPrecision):
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
-            ``"bf16-mixed"``, or ``"auto"`` (bf16 where the device supports it, else fp16).
+            ``"bf16-mixed"``, ``"auto"`` (bf16 where the device supports it, else fp16),
+            ``"16-true"`` / ``"bf16-true"`` (the weights themselves in fp16/bf16, no fp32 copy;
+            fp16 keeps loss scaling; forward passes still run under autocast), or ``"32-true"``
+            (fp32, autocast off: Apex's O0). See :meth:`from_opt_level` for Apex's ladder.
         device: the autocast device type; ``None`` takes it from the model's device at setup.
         scaler: the :class:`LossScaler` for fp16 (a ``torch.amp.GradScaler`` is converted with its
             settings and state); fp16 gets ``LossScaler()`` by default.
@@ -57,6 +62,14 @@ class AMPPrecision(MixedPrecision):
             unless the LightningModule or a callback overrides ``on_before_optimizer_step``
             or ``configure_gradient_clipping``; ``True`` always takes it (those hooks then see
             scaled gradients); ``False`` unscales before the hooks, as Lightning does.
+        master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
+            optimizer step fp32 master copies (Apex's O2); checkpoints keep the fp32 values.
+        keep_fp32: module classes whose weights stay fp32 when the model is cast; default: the
+            normalization layers with master weights, nothing with "-true" precisions.
+        rounding: how updates are written into "-true" weights: ``"nearest"`` (the optimizer's
+            own arithmetic, as Lightning's "bf16-true"), ``"stochastic"`` (unbiased; small updates
+            survive in expectation) or ``"kahan"`` (a half-precision compensation buffer).
+        rounding_seed: seed of the stochastic rounding (the same on every rank).
         lr_on_skip: ``"hold"`` keeps a step-interval LR scheduler still when its optimizer's
             step was skipped (or not taken: ``training_step`` returned ``None``); ``"advance"``
             steps it anyway, without PyTorch's misleading order warning. In manual optimization
@@ -80,13 +93,25 @@ class AMPPrecision(MixedPrecision):
         fp32_modules: Sequence[type[nn.Module]] = (),
         clip_fused: Literal["auto"] | bool = "auto",
         lr_on_skip: Literal["hold", "advance"] = "hold",
+        master_weights: bool = False,
+        keep_fp32: Sequence[type[nn.Module]] | None = None,
+        rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
+        rounding_seed: int = 0,
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip)
+        keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
         self.kernels = check_backend(kernels)
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules)
         self.clip_fused = clip_fused
         self.lr_on_skip = lr_on_skip
+        self.master_weights = master_weights
+        self.rounding = rounding
         self.requested = precision
+        self._half: HalfWeights | None = (
+            HalfWeights(master_weights, keep, rounding, rounding_seed)
+            if master_weights or precision in ("16-true", "bf16-true")
+            else None
+        )
         self.scaler = (
             LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
         )
@@ -112,12 +137,15 @@ class AMPPrecision(MixedPrecision):
         if self.scaler is None and dtype == torch.float16:
             self.scaler = LossScaler(kernels=self.kernels)
         self.device, self.dtype = device_type, dtype
-        self.precision = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
+        if self.requested == "auto":
+            self.precision = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
+        else:
+            self.precision = self.requested
         if self.requested == "auto":
             rank_zero_info(
                 f"AMPPrecision('auto') chose {self.precision}: {precision.auto_precision_reason(device_type)}"
             )
-        if device_type == "cpu" and not precision.native_on_cpu(dtype):
+        if device_type == "cpu" and dtype != torch.float32 and not precision.native_on_cpu(dtype):
             name = "bf16" if dtype == torch.bfloat16 else "fp16"
             rank_zero_warn(
                 f"AMPPrecision({self.precision!r}): this CPU has no {name} instructions (AVX512-BF16 or "
@@ -134,12 +162,37 @@ class AMPPrecision(MixedPrecision):
         return self.device, self.dtype
 
     @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast the model's weights to fp16/bf16 for master weights or a "-true" precision.
+
+        Strategies call this before moving the model, wrapping it (DDP) and building its
+        optimizers; so the masters are made from the original fp32 values.
+        """
+        if self._half is not None:
+            trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
+            device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
+            self._half.convert(module, self._settings(device)[1], self.fp32_modules)
+        return module
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """With half weights, floating-point inputs take the weights' dtype (as in Lightning's "-true")."""
+        if self._half is None or self.dtype is None:
+            return data
+        return apply_to_collection(data, Tensor, _to_dtype, self.dtype)
+
+    @override
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         device, dtype = self._settings(checks.module_device(model))
         module = checks.lightning_module(model)  # strategies hand over their wrapper (DDP, ...)
-        checks.check_fit_start(module, optimizers, device, dtype, grad_scaling=self.scaler is not None)
+        checks.check_fit_start(
+            module, optimizers, device, dtype, grad_scaling=self.scaler is not None,
+            weights="fp32" if self._half is None else "master" if self.master_weights else "half",
+        )  # fmt: skip
+        if self._half is not None:
+            self._half.attach(optimizers)
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
         if isinstance(module, LightningModule) and (trainer := _compat.attached_trainer(module)) is not None:
@@ -155,6 +208,8 @@ class AMPPrecision(MixedPrecision):
 
     @override
     def teardown(self) -> None:
+        if self._half is not None:
+            self._half.detach()
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None
@@ -165,6 +220,8 @@ class AMPPrecision(MixedPrecision):
     def autocast_context_manager(self) -> torch.autocast:
         """The autocast context for forward passes (the weight-cast cache off, as in Lightning)."""
         device, dtype = self._settings("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype == torch.float32:  # "32-true"
+            return torch.autocast(device, enabled=False)
         # cache_enabled=False: a weight cast cached under no_grad would carry no autograd history
         # into a later forward with grad in the same autocast region.
         return torch.autocast(device, dtype=dtype, cache_enabled=False)
@@ -210,12 +267,21 @@ class AMPPrecision(MixedPrecision):
         self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         scaler = self.scaler
-        if scaler is None:
+        if scaler is None and self._half is None:
             return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
-        closure_result = closure()
+        closure_result = closure()  # the half gradients must exist before the masters take them
+        if scaler is None:
+            if closure_result is None and model.automatic_optimization:
+                return self._after_closure(model, optimizer)  # nothing stepped; zero_grad clears
+            if self._half is not None:
+                self._half.before_step(optimizer)
+            self._after_closure(model, optimizer)
+            return optimizer.step(**kwargs)
         if closure_result is None and model.automatic_optimization:
             self._not_stepped(scaler, model, optimizer)
             return closure_result
+        if self._half is not None:
+            self._half.before_step(optimizer)
         self._arm(scaler, optimizer)
         if scaler.stage(optimizer) == "ready" and not self._fast_clip:
             scaler.unscale_(optimizer)  # the hooks below see unscaled gradients
@@ -351,10 +417,14 @@ class AMPPrecision(MixedPrecision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = checkpoint_entry(self.precision, self.scaler)
+        entry = checkpoint[CHECKPOINT_KEY] = checkpoint_entry(self.precision, self.scaler)
+        if self._half is not None:
+            self._half.on_save(checkpoint, entry)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._half is not None:
+            self._half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))
         state = scaler_state(checkpoint)
         if state is not None:
             self.load_state_dict(state)
@@ -381,3 +451,7 @@ class AMPPrecision(MixedPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a scaler state (from this plugin, ``LossScaler``, or ``torch.amp.GradScaler``)."""
         load_scaler_state(self.scaler, state_dict)
+
+
+def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor

@@ -1,0 +1,116 @@
+"""Half-precision weights under ``AMPPrecision``: fp32 master weights, or pure half with a rounding.
+
+:class:`HalfWeights` is the plugin's part of :mod:`amp_plugin.master_weights` and
+:mod:`amp_plugin.rounded_updates`: it casts the LightningModule when the strategy asks the
+plugin to convert it (before DDP wraps it and before ``configure_optimizers``), hands the
+optimizers to the masters or the rounding hooks at ``connect``, moves gradients before each
+step, and keeps the fp32 values and the rounding generator in checkpoints.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from amp_plugin.master_weights import NORM_LAYERS, MasterWeights, cast_model
+from amp_plugin.optim import unwrap_optimizer
+from amp_plugin.rounded_updates import RoundedUpdates, Rounding
+
+__all__ = ["HalfWeights"]
+
+
+class HalfWeights:
+    """What ``AMPPrecision`` does to hold a model's weights in fp16/bf16.
+
+    Args:
+        master_weights: keep fp32 masters that the optimizer steps ("-mixed" precisions);
+            ``False`` holds the weights in half only ("-true" precisions).
+        keep_fp32: module classes whose tensors stay fp32; ``None`` means the normalization
+            layers with master weights and nothing without (as Lightning's "-true" and Apex's O3).
+        rounding: how updates are written into half weights without masters.
+        seed: the stochastic rounding's seed.
+
+    Example:
+        >>> weights = HalfWeights(master_weights=True)
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+        >>> weights.convert(model, torch.bfloat16)
+        >>> model[0].weight.dtype, model[1].weight.dtype
+        (torch.bfloat16, torch.float32)
+    """
+
+    def __init__(
+        self,
+        master_weights: bool,
+        keep_fp32: Sequence[type[nn.Module]] | None = None,
+        rounding: Rounding = "nearest",
+        seed: int = 0,
+    ) -> None:
+        self.master_weights = master_weights
+        default = NORM_LAYERS if master_weights else ()
+        self.keep_fp32 = tuple(keep_fp32) if keep_fp32 is not None else default
+        self.rounding: Rounding = rounding
+        self.seed = seed
+        self.masters: MasterWeights | None = None
+        self._rounders: dict[int, RoundedUpdates] = {}  # in attach order
+        self._rng_states: list[Any] = []  # loaded before the optimizers exist
+        self._module: weakref.ref[nn.Module] | None = None
+
+    def convert(
+        self, module: nn.Module, dtype: torch.dtype, extra_fp32: Sequence[type[nn.Module]] = ()
+    ) -> None:
+        """Cast ``module`` in place (once: a second fit of the same model keeps its masters)."""
+        if self._module is not None and self._module() is module:
+            return
+        self.masters = cast_model(
+            module, dtype, (*self.keep_fp32, *extra_fp32), master_weights=self.master_weights
+        )
+        self._module = weakref.ref(module)
+
+    def attach(self, optimizers: Sequence[Any]) -> None:
+        """Hand each optimizer to the masters, or to the rounding hooks."""
+        for optimizer in optimizers:
+            if self.master_weights and self.masters is not None:
+                self.masters.attach(optimizer)
+            elif self.rounding != "nearest":
+                opt = unwrap_optimizer(optimizer)
+                if id(opt) not in self._rounders:
+                    rounder = RoundedUpdates(opt, self.rounding, seed=self.seed)
+                    if len(self._rng_states) > len(self._rounders):
+                        rounder.load_state_dict(self._rng_states[len(self._rounders)])
+                    self._rounders[id(opt)] = rounder
+
+    def before_step(self, optimizer: Any) -> None:
+        """Move the half gradients into the masters (no-op without masters)."""
+        if self.master_weights and self.masters is not None:
+            self.masters.grads_to_master(optimizer)
+
+    def detach(self) -> None:
+        """Undo :meth:`attach` (the model stays in half precision)."""
+        if self.masters is not None:
+            self.masters.detach()
+        for rounder in self._rounders.values():
+            rounder.remove()
+        self._rounders.clear()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def on_save(self, checkpoint: dict[str, Any], entry: dict[str, Any]) -> None:
+        """fp32 masters into the checkpoint's ``state_dict``; the rounding state into ``entry``."""
+        if self.masters is not None and len(self.masters) and isinstance(checkpoint.get("state_dict"), dict):
+            checkpoint["state_dict"] = self.masters.fp32_state_dict(checkpoint["state_dict"])
+        if self._rounders:
+            entry["rounding"] = [rounder.state_dict() for rounder in self._rounders.values()]
+
+    def on_load(self, checkpoint: dict[str, Any], entry: object) -> None:
+        """Restore the masters from the checkpoint's fp32 ``state_dict``, and the rounding state."""
+        if self.masters is not None and len(self.masters) and isinstance(checkpoint.get("state_dict"), dict):
+            self.masters.load_fp32_state_dict(checkpoint["state_dict"])
+        states = entry.get("rounding") if isinstance(entry, dict) else None
+        if isinstance(states, list):
+            self._rng_states = states
+            for rounder, state in zip(self._rounders.values(), states, strict=False):
+                rounder.load_state_dict(state)
