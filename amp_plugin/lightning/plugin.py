@@ -34,6 +34,8 @@ from amp_plugin.lightning.checkpoint import (
 )
 from amp_plugin.lightning.half_weights import HalfWeights
 from amp_plugin.lightning.schedulers import SkipAwareScheduler
+from amp_plugin.master_weights import MasterWeights
+from amp_plugin.opt_levels import opt_level_arguments
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.scaler import LossScaler
 
@@ -127,6 +129,23 @@ class AMPPrecision(MixedPrecision):
         self._stepped_since_backward: set[int] = set()  # ids of optimizers that may not step again yet
         if device is not None:
             self._resolve(device)
+
+    @classmethod
+    def from_opt_level(cls, level: Literal["O0", "O1", "O2", "O3"], **overrides: Any) -> AMPPrecision:
+        """The plugin for Apex opt level ``level``; ``overrides`` take Apex's or this class's keywords.
+
+        O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
+        master weights, O3 pure fp16 (static loss scale 1.0, as in Apex). See
+        :mod:`amp_plugin.opt_levels` for the table and the keywords.
+
+        Example:
+            >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")
+            >>> plugin.precision, plugin.master_weights
+            ('16-mixed', True)
+            >>> AMPPrecision.from_opt_level("O2", cast_model_type=torch.bfloat16).requested
+            'bf16-mixed'
+        """
+        return cls(**opt_level_arguments(level, **overrides))
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -354,6 +373,11 @@ class AMPPrecision(MixedPrecision):
 
     def _kernels_for(self, grads: list[Tensor]) -> Kernels:
         return get_kernels(self.kernels, grads[0].device if grads else None)
+
+    @property
+    def masters(self) -> MasterWeights | None:
+        """The fp32 master weights (``master_weights=True``, after the model was converted), else ``None``."""
+        return self._half.masters if self._half is not None and self.master_weights else None
 
     @property
     def last_step_skipped(self) -> bool:

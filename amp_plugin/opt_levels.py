@@ -1,0 +1,131 @@
+"""Apex's opt levels O0-O3 as ``AMPPrecision`` arguments (``AMPPrecision.from_opt_level``).
+
+=====  ==================  =============  ===================  ==============  ===========
+level  Apex                precision      keep_batchnorm_fp32  master_weights  loss_scale
+=====  ==================  =============  ===================  ==============  ===========
+O0     fp32                ``"32-true"``  (n/a)                False           (none)
+O1     patched functions   ``"16-mixed"`` (n/a, weights fp32)  False           dynamic
+O2     fp16 model          ``"16-mixed"`` True                 True            dynamic
+O3     pure fp16           ``"16-true"``  False                False           1.0, static
+=====  ==================  =============  ===================  ==============  ===========
+
+O1's per-function casting is autocast here. Apex's ``amp.initialize`` keyword arguments
+override a level's defaults under the same names (``cast_model_type``, ``keep_batchnorm_fp32``,
+``master_weights``, ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``); any other keyword
+goes to ``AMPPrecision`` as it is. ``cast_model_type=torch.bfloat16`` gives the bf16 rungs.
+Plain Python: nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from amp_plugin._validation import check_bool, fail, is_number
+from amp_plugin.master_weights import NORM_LAYERS
+from amp_plugin.scaler import LossScaler
+
+__all__ = ["APEX_OPTIONS", "OPT_LEVELS", "opt_level_arguments"]
+
+OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3")
+#: The ``apex.amp.initialize`` keywords :func:`opt_level_arguments` understands.
+APEX_OPTIONS: tuple[str, ...] = (
+    "cast_model_type",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+    "min_loss_scale",
+    "max_loss_scale",
+)
+# Apex's table: (model cast dtype or None, keep_batchnorm_fp32, master_weights, loss_scale)
+_TABLE: dict[str, tuple[torch.dtype | None, bool | None, bool, float | str | None]] = {
+    "O0": (torch.float32, None, False, None),
+    "O1": (None, None, False, "dynamic"),
+    "O2": (torch.float16, True, True, "dynamic"),
+    "O3": (torch.float16, False, False, 1.0),
+}
+_CALL = "AMPPrecision.from_opt_level"
+
+
+def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
+    """The ``AMPPrecision`` keyword arguments for Apex opt level ``level`` with ``overrides``.
+
+    Raises:
+        ValueError: an unknown level, or an override that contradicts the level (master
+            weights without a cast model, a loss scale for bf16 or fp32, ...).
+        TypeError: an override of the wrong type.
+
+    Example:
+        >>> args = opt_level_arguments("O2")
+        >>> args["precision"], args["master_weights"], type(args["scaler"]).__name__
+        ('16-mixed', True, 'LossScaler')
+        >>> opt_level_arguments("O3")["scaler"].get_scale(), opt_level_arguments("O0")
+        (1.0, {'precision': '32-true'})
+        >>> opt_level_arguments("O4")
+        Traceback (most recent call last):
+        ...
+        ValueError: AMPPrecision.from_opt_level(level='O4') is not allowed: one of 'O0', ... HINT: ...
+    """
+    if level not in OPT_LEVELS:
+        hint = (
+            f"use {level.upper()!r}" if isinstance(level, str) and level.upper() in OPT_LEVELS else "use 'O1'"
+        )
+        fail(_CALL, f"level={level!r}", "one of " + ", ".join(map(repr, OPT_LEVELS)),
+             f"{hint} (the letter O, not zero).")  # fmt: skip
+    cast, keep_bn, masters, loss_scale = _TABLE[str(level)]
+    apex = {k: overrides.pop(k) for k in APEX_OPTIONS if k in overrides}
+    cast = apex.get("cast_model_type", cast)
+    if cast not in (None, torch.float16, torch.bfloat16, torch.float32):
+        fail(_CALL, f"cast_model_type={cast!r}", "None, torch.float16, torch.bfloat16 or torch.float32",
+             "pass a torch dtype, e.g. torch.float16.", TypeError)  # fmt: skip
+    masters = check_bool(_CALL, "master_weights", apex.get("master_weights", masters))
+    keep = apex.get("keep_batchnorm_fp32", keep_bn)
+    if keep is not None:
+        check_bool(_CALL, "keep_batchnorm_fp32", keep)
+    half = torch.bfloat16 if cast == torch.bfloat16 else torch.float16
+    prefix = "bf16" if half == torch.bfloat16 else "16"
+    args: dict[str, Any]
+    if cast == torch.float32:
+        args = {"precision": "32-true"}
+    elif cast is None or masters:
+        args = {"precision": f"{prefix}-mixed", "master_weights": masters}
+    else:
+        args = {"precision": f"{prefix}-true"}
+    if masters and cast in (None, torch.float32):
+        fail(_CALL, f"level={level!r}, master_weights=True", "master weights with a model cast to half "
+             "(O2, or cast_model_type=torch.float16/bfloat16)", "use level 'O2'.")  # fmt: skip
+    if keep is not None and cast not in (None, torch.float32):
+        args["keep_fp32"] = NORM_LAYERS if keep else ()
+    args.update(_scaler_arguments(args["precision"], apex, loss_scale))
+    if not args.get("master_weights", True):
+        del args["master_weights"]
+    clash = sorted(set(args) & set(overrides))
+    if clash:
+        fail(_CALL, f"{clash[0]}=...", f"no {clash[0]!r} next to an opt level (the level sets it)",
+             f"use Apex's keywords ({', '.join(APEX_OPTIONS)}) or AMPPrecision(...) directly.")  # fmt: skip
+    return {**args, **overrides}
+
+
+def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str | None) -> dict[str, Any]:
+    loss_scale = apex.get("loss_scale", default)
+    bounds = {k: apex[k] for k in ("min_loss_scale", "max_loss_scale") if k in apex}
+    fp16 = precision in ("16-mixed", "16-true")
+    if not fp16:
+        if "loss_scale" in apex or bounds:
+            fail(_CALL, f"loss_scale={apex.get('loss_scale')!r}", "no loss scaling with bf16 or fp32",
+                 "drop loss_scale, min_loss_scale and max_loss_scale.")  # fmt: skip
+        return {}
+    if loss_scale != "dynamic" and not (is_number(loss_scale) and loss_scale > 0):
+        fail(_CALL, f"loss_scale={loss_scale!r}", "'dynamic' or a finite number > 0",
+             "use loss_scale='dynamic'.")  # fmt: skip
+    if loss_scale == "dynamic":
+        scaler = LossScaler(
+            min_scale=bounds.get("min_loss_scale"), max_scale=bounds.get("max_loss_scale", 2.0**24)
+        )
+    else:
+        if bounds:
+            fail(_CALL, "min_loss_scale/max_loss_scale with a static loss_scale", "bounds only with "
+                 "loss_scale='dynamic'", "drop the bounds, or use loss_scale='dynamic'.")  # fmt: skip
+        scaler = LossScaler(init_scale=float(loss_scale), dynamic=False)
+    return {"scaler": scaler}
