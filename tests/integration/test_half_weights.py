@@ -1,4 +1,4 @@
-"""Trainer.fit with half-precision weights: master weights (O2), pure half (O3, "-true" + rounding), opt levels."""
+"""Trainer.fit with half-precision weights: masters (O2), pure half (O3, "-true" + rounding), opt levels."""
 
 from __future__ import annotations
 
@@ -174,7 +174,9 @@ def test_a_skipped_step_leaves_model_masters_and_optimizer_state_bit_identical(
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
-def _fit_epochs(kwargs: dict[str, Any], epochs: int, tmp_path: Path | None = None, ckpt: Path | None = None):
+def _fit_epochs(
+    kwargs: dict[str, Any], epochs: int, tmp_path: Path | None = None, ckpt: Path | None = None
+) -> tuple[Regressor, L.Trainer]:
     """Train ``Regressor`` for ``epochs``; with ``tmp_path`` a ModelCheckpoint writes ``last.ckpt`` there."""
     module = Regressor()
     callbacks = [ModelCheckpoint(dirpath=tmp_path, save_last=True)] if tmp_path else []
