@@ -108,7 +108,7 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
 
 
 def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str | None) -> dict[str, Any]:
-    loss_scale = apex.get("loss_scale", default)
+    loss_scale: Any = apex.get("loss_scale", default)
     bounds = {k: apex[k] for k in ("min_loss_scale", "max_loss_scale") if k in apex}
     fp16 = precision in ("16-mixed", "16-true")
     if not fp16:
