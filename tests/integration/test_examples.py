@@ -74,3 +74,18 @@ def test_ddp_example_ranks_agree(tmp_path: Path) -> None:
     assert "precision     16-mixed on 2 x cpu" in out
     assert "ranks agree" in out
     assert "loss scaler   scale" in out
+
+
+def test_master_weights_example_shows_the_weight_backup_effect_and_the_opt_levels(tmp_path: Path) -> None:
+    out = _run("master_weights.py", cwd=tmp_path)
+    assert "fp16 + master  0.9980" in out  # 20 updates of 1e-4 kept
+    assert "fp16 alone     1.0000" in out  # and lost
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.strip()[:2] in ("O0", "O1", "O2", "O3")
+    }
+    assert rows["O0"][1:4] == ["32-true", "float32", "float32"]
+    assert rows["O2"][1:4] == ["16-mixed", "float16", "float32"]
+    assert rows["O3"][1:4] == ["16-true", "float16", "float16"]
+    assert float(rows["O3"][5]) == 8.0 and float(rows["O0"][5]) == 16.0
