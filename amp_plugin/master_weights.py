@@ -211,10 +211,11 @@ class MasterWeights:
                     out[name] = master.detach().clone()
         return out
 
-    @torch.no_grad()
-    def load_fp32_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy the fp32 values of ``state_dict`` into the masters and the model; a key that is
-        missing leaves its master as it is. Shapes are checked before anything is copied."""
+    def check_fp32_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[nn.Parameter, Tensor]]:
+        """Raise ``ValueError`` if a master's entry in ``state_dict`` is not a tensor of its shape.
+
+        Returns the (master, value) pairs :meth:`load_fp32_state_dict` copies; changes nothing.
+        """
         updates: list[tuple[nn.Parameter, Tensor]] = []
         masters = self._masters_by_id()
         for master_id, names in self.names.items():
@@ -227,7 +228,13 @@ class MasterWeights:
                      f"a tensor of shape {tuple(master.shape)}",
                      "load a checkpoint of this model.")  # fmt: skip
             updates.append((master, value))
-        for master, value in updates:
+        return updates
+
+    @torch.no_grad()
+    def load_fp32_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy the fp32 values of ``state_dict`` into the masters and the model; a key that is
+        missing leaves its master as it is. Every entry is checked before anything is copied."""
+        for master, value in self.check_fp32_state_dict(state_dict):
             master.copy_(value)
             self._half_of[id(master)].copy_(value)
 

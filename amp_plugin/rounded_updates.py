@@ -152,13 +152,18 @@ class RoundedUpdates:
             "generators": {str(d): g.get_state() for d, g in self._generators.items()},
         }
 
+    @staticmethod
+    def is_state(state: object) -> bool:
+        """Whether ``state`` has the shape of :meth:`state_dict`'s result (generator states by device)."""
+        gens = state.get("generators") if isinstance(state, dict) else None
+        return isinstance(gens, dict) and all(
+            isinstance(k, str) and isinstance(v, Tensor) and v.dtype == torch.uint8 for k, v in gens.items()
+        )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s generator states (checked before anything changes)."""
-        gens = state.get("generators") if isinstance(state, dict) else None
-        if not isinstance(gens, dict) or not all(
-            isinstance(k, str) and isinstance(v, Tensor) and v.dtype == torch.uint8 for k, v in gens.items()
-        ):
+        if not self.is_state(state):
             fail("RoundedUpdates.load_state_dict", f"state={state!r:.80}",
                  "a dict from RoundedUpdates.state_dict()", "load the state this class saved.")  # fmt: skip
-        for device, gen_state in gens.items():
+        for device, gen_state in state["generators"].items():
             self._generator(torch.device(device)).set_state(gen_state)

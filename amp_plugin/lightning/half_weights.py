@@ -105,6 +105,20 @@ class HalfWeights:
         if self._rounders:
             entry["rounding"] = [rounder.state_dict() for rounder in self._rounders.values()]
 
+    def check(self, checkpoint: dict[str, Any], entry: object) -> None:
+        """Raise ``ValueError`` if :meth:`on_load` would refuse ``checkpoint``; change nothing."""
+        if self.masters is not None and len(self.masters) and isinstance(checkpoint.get("state_dict"), dict):
+            self.masters.check_fp32_state_dict(checkpoint["state_dict"])
+        states = entry.get("rounding") if isinstance(entry, dict) else None
+        if states is not None and not (
+            isinstance(states, list) and all(RoundedUpdates.is_state(state) for state in states)
+        ):
+            raise ValueError(
+                f"The checkpoint's {'amp_plugin'!r} entry has a 'rounding' of {type(states).__name__} "
+                f"{states!r:.80}; expected the list RoundedUpdates.state_dict() gives per optimizer. "
+                "HINT: the checkpoint is corrupt; resume without ckpt_path or fix the entry."
+            )
+
     def on_load(self, checkpoint: dict[str, Any], entry: object) -> None:
         """Restore the masters from the checkpoint's fp32 ``state_dict``, and the rounding state."""
         if self.masters is not None and len(self.masters) and isinstance(checkpoint.get("state_dict"), dict):

@@ -25,13 +25,7 @@ from typing_extensions import override
 from amp_plugin import clipping, fp32_policy, precision
 from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
 from amp_plugin.lightning import _compat, checks
-from amp_plugin.lightning.checkpoint import (
-    CHECKPOINT_KEY,
-    check_scaler_state,
-    checkpoint_entry,
-    load_scaler_state,
-    scaler_state,
-)
+from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY, CheckpointHooks
 from amp_plugin.lightning.half_weights import HalfWeights
 from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.master_weights import MasterWeights
@@ -42,7 +36,7 @@ from amp_plugin.scaler import LossScaler
 __all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
 
 
-class AMPPrecision(MixedPrecision):
+class AMPPrecision(CheckpointHooks, MixedPrecision):
     """Mixed precision for ``Trainer(plugins=[AMPPrecision(...)])``.
 
     A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
@@ -119,7 +113,7 @@ class AMPPrecision(MixedPrecision):
         )
         self.device = None
         self.dtype: torch.dtype | None = None
-        self.precision = precision  # type: ignore[assignment]  # "auto" until resolved at setup
+        self.precision = precision  # "auto" until resolved at setup
         self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
         self._fast_clip = clip_fused is True
@@ -430,51 +424,6 @@ class AMPPrecision(MixedPrecision):
             self.scaler.clip_grad_value_(optimizer, float(clip_val))
         else:
             Precision.clip_grad_by_value(self, unwrap_optimizer(optimizer), clip_val)
-
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        # Lightning files a non-empty state_dict under this class's __qualname__, which a rename
-        # or subclass would orphan; the state goes under CHECKPOINT_KEY in on_save_checkpoint.
-        return {}
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        entry = checkpoint[CHECKPOINT_KEY] = checkpoint_entry(self.precision, self.scaler)
-        if self._half is not None:
-            self._half.on_save(checkpoint, entry)
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self._half is not None:
-            self._half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))
-        state = scaler_state(checkpoint)
-        if state is not None:
-            self.load_state_dict(state)
-
-    def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if the checkpoint's loss-scaler state would not load; change nothing.
-
-        Lightning restores the precision plugin only after it has replaced the model's weights.
-        To refuse a corrupt checkpoint before that, call this from the LightningModule's
-        ``on_load_checkpoint``, the one hook Lightning runs earlier::
-
-            def on_load_checkpoint(self, checkpoint):
-                self.trainer.precision_plugin.check_checkpoint(checkpoint)
-
-        Example:
-            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({CHECKPOINT_KEY: "garbage"})
-            Traceback (most recent call last):
-            ...
-            ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
-        """
-        check_scaler_state(checkpoint, self.scaler)
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a scaler state (from this plugin, ``LossScaler``, or ``torch.amp.GradScaler``)."""
-        load_scaler_state(self.scaler, state_dict)
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:

@@ -312,3 +312,28 @@ def test_opt_level_overrides_use_apex_keywords() -> None:
 def test_bad_opt_levels_and_overrides_raise(level: str, overrides: dict[str, Any], match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         AMPPrecision.from_opt_level(level, **overrides)
+
+
+@pytest.mark.parametrize("corrupt", ["master shape", "rounding state"])
+def test_a_corrupt_half_weight_entry_is_refused_before_anything_changes(corrupt: str, tmp_path: Path) -> None:
+    kwargs = {"precision": "bf16-true", "rounding": "stochastic"} if corrupt == "rounding state" else {
+        "precision": "bf16-mixed", "master_weights": True}  # fmt: skip
+    _, trainer = _fit_epochs(kwargs, 1, tmp_path)
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    if corrupt == "master shape":
+        checkpoint["state_dict"]["net.3.weight"] = torch.zeros(5)
+    else:
+        checkpoint[CHECKPOINT_KEY]["rounding"] = [{"generators": {"cpu": "not a state"}}]
+    plugin = trainer.precision_plugin
+    module = trainer.lightning_module
+    before = [p.detach().clone() for p in module.parameters()]
+    masters = [m.detach().clone() for m in plugin.masters.masters()] if plugin.masters else []
+    scale = plugin.scaler.get_scale() if plugin.scaler else None
+    with pytest.raises(ValueError, match=r"HINT"):
+        plugin.check_checkpoint(checkpoint)
+    with pytest.raises(ValueError, match=r"HINT"):
+        plugin.on_load_checkpoint(checkpoint)
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    if plugin.masters:
+        assert all(torch.equal(a, b) for a, b in zip(masters, plugin.masters.masters(), strict=True))
+    assert (plugin.scaler.get_scale() if plugin.scaler else None) == scale
