@@ -6,7 +6,8 @@ on scikit-learn's digits (8x8 images, 10 classes; the data ships with scikit-lea
 gradients all held in 16-bit fixed point ``<IL, FL>`` (``IL + FL = 16``), for FL = 14, 10
 and 8, with :func:`amp_plugin.numerics.fixed_point` rounding either to nearest or
 stochastically, and once in float32 as the baseline. Every run starts from the same weights
-and sees the same batches.
+and sees the same batches. The net outputs a quarter of its logits (``SCALE``): at FL=14 the
+range is [-2, 2), and full-size logits would saturate there whichever the rounding.
 
 The grid step is ``2**-FL``. With round-to-nearest an SGD update smaller than half a step
 is rounded away, so as FL shrinks more of the updates vanish and learning slows or stops;
