@@ -77,7 +77,8 @@ class Limits:
     finite value, whereas ``torch.finfo(dtype).min`` overflows to ``-inf`` when added twice
     and gives NaN for a row masked completely. After softmax subtracts the row's largest
     score, a masked entry sits at least ``max / 4`` minus the scores' spread below it, so
-    ``exp`` is exactly 0; a row masked completely gives a uniform row, not NaN.
+    ``exp`` is exactly 0; a row masked completely gives finite weights that sum to 1, not
+    the NaN of a row of ``-inf``.
 
     ``safe_eps`` is ``1e-8`` as the dtype holds it, or ``smallest_normal`` where that is
     larger: a denominator epsilon that is a normal number of the dtype. In float16, 1e-8

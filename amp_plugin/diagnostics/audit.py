@@ -16,14 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from amp_plugin._validation import check_int, fail
+from amp_plugin.numerics import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 
 __all__ = ["FP16_MAX", "FP16_MIN_NORMAL", "FP16_TINY", "AuditReport", "Finding", "audit_model", "join_names"]
 
 Severity = Literal["error", "warning", "info"]
 
-FP16_MAX = 65504.0  # largest finite fp16 value
-FP16_TINY = 2.0**-24  # smallest fp16 subnormal: anything smaller rounds to 0
-FP16_MIN_NORMAL = 2.0**-14  # below this fp16 keeps fewer than 11 significant bits
+FP16_TINY = FP16_MIN_SUBNORMAL  # the audit's name for it: anything below half of it rounds to 0
 _NATIVE_NORMS: tuple[type[nn.Module], ...] = (
     nn.LayerNorm,
     nn.GroupNorm,
@@ -277,7 +276,8 @@ def _value_findings(kind: str, name: str, t: Tensor) -> Iterator[Finding]:
             "fp16-overflow",
             f"{kind} `{name}` holds {n_over} value(s) with |x| up to {largest:.3g} > 65504 (fp16 max): they "
             "become inf when cast to fp16 (by autocast for a matmul, or by .half()). HINT: use bf16, keep "
-            "the tensor out of fp16 ops, or for a mask use float('-inf') or torch.finfo(dtype).min.",
+            "the tensor out of fp16 ops, or for a mask use amp_plugin.numerics.limits(torch.float16)"
+            ".safe_mask_value (-16376), which stays finite when masks are added together.",
             (name,),
         )
     if n_under and n_under > 0.01 * n_nonzero:

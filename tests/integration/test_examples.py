@@ -89,3 +89,13 @@ def test_master_weights_example_shows_the_weight_backup_effect_and_the_opt_level
     assert rows["O2"][1:4] == ["16-mixed", "float16", "float32"]
     assert rows["O3"][1:4] == ["16-true", "float16", "float16"]
     assert float(rows["O3"][5]) == 8.0 and float(rows["O0"][5]) == 16.0
+
+
+def test_limited_precision_example_prints_the_table_and_writes_the_plot(tmp_path: Path) -> None:
+    out = _run("limited_precision.py", cwd=tmp_path)
+    rows = [line.split() for line in out.splitlines() if line.startswith(("float32", "FL="))]
+    assert [" ".join(r[:2]) for r in rows] == ["float32 -", "FL=14 nearest", "FL=14 stochastic",
+        "FL=10 nearest", "FL=10 stochastic", "FL=8 nearest", "FL=8 stochastic"]  # fmt: skip
+    assert all(0 <= float(r[-2]) <= 100 for r in rows)
+    assert "plot written to runs/limited_precision.png" in out
+    assert (tmp_path / "runs" / "limited_precision.png").stat().st_size > 1000

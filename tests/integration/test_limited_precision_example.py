@@ -1,0 +1,38 @@
+"""examples/limited_precision.py reproduces Gupta et al. 2015 qualitatively, at a reduced size.
+
+Ten epochs per setting (about 3 s): at FL=8 round-to-nearest is far behind stochastic
+rounding, which stays within a few points of float32 at every FL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "limited_precision.py"
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("limited_precision_example", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stochastic_tracks_float_and_nearest_falls_behind_as_fl_shrinks() -> None:
+    torch.set_num_threads(1)
+    lines: list[str] = []
+    curves = _example().run(epochs=10, lr=0.01, report=lines.append)
+    final = {name: errors[-1] for name, errors in curves.items()}
+    assert final["float32"] < 10  # the baseline learns (chance is 90% error)
+    for fl in (14, 10, 8):
+        assert abs(final[f"FL={fl} stochastic"] - final["float32"]) <= 3
+    assert final["FL=8 nearest"] > final["FL=8 stochastic"] + 20  # updates below 2**-9 round to 0
+    assert final["FL=8 nearest"] > final["FL=10 nearest"] > final["FL=14 nearest"] - 1
+    assert lines[0].split()[:2] == ["setting", "<IL,"] and len(lines) == 1 + len(curves)
