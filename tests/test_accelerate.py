@@ -88,6 +88,16 @@ def test_clip_grad_norm_clips_and_returns_the_unscaled_norm() -> None:
         torch.testing.assert_close(s, g / 2.0**12 * (0.25 / expected), rtol=1e-3, atol=1e-7)
 
 
+def test_gradient_accumulation_updates_the_scaler_once_per_synchronised_step() -> None:
+    accelerator, scaler, model, opt = _prepared(LossScaler(init_scale=256.0), gradient_accumulation_steps=2)
+    for batch in range(6):
+        with accelerator.accumulate(model):
+            _backward(accelerator, model, poison=batch == 2)  # poisons the first half of the second step
+            opt.step()
+            opt.zero_grad()
+    assert (scaler.total_steps, scaler.skipped_steps, scaler.get_scale()) == (3, 1, 128.0)
+
+
 def test_save_state_and_load_state_carry_the_loss_scaler(tmp_path: Path) -> None:
     accelerator, scaler, model, opt = _prepared(LossScaler(init_scale=256.0, growth_interval=3))
     for poison in (False, True, False, False, False):
