@@ -11,6 +11,9 @@ upgrade that renames one fails there rather than in a user's run. Also relied up
   where :mod:`amp_plugin.lightning.checkpoint` looks for a foreign scaler state. Lightning also loads
   ``checkpoint["native_amp_scaling_state"]`` into any MixedPrecision after ``on_load_checkpoint``
   has loaded it: the same state twice, which changes nothing.
+- ``Trainer.callback_metrics`` returns the logger connector's own dict, kept for the whole fit
+  (cleared when a run starts), so a callback's entries written into it stay there until
+  overwritten; ``EarlyStopping`` and ``ModelCheckpoint`` read their ``monitor`` key from it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 
-__all__ = ["after_closure", "attached_trainer", "logged_step", "should_update_logs"]
+__all__ = ["after_closure", "attached_trainer", "epoch_training_done", "logged_step", "should_update_logs"]
 
 
 def attached_trainer(module: LightningModule) -> Trainer | None:
@@ -81,3 +84,17 @@ def logged_step(trainer: Trainer) -> int:
         0
     """
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def epoch_training_done(trainer: Trainer) -> bool:
+    """Whether the current batch is the epoch's last training batch (or ``max_steps`` is reached).
+
+    Reads ``trainer.fit_loop.epoch_loop._is_training_done``; true in ``on_train_batch_end`` of the
+    batch after which the epoch's validation (if any) and ``on_train_epoch_end`` come.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> epoch_training_done(Trainer(accelerator="cpu", logger=False, max_steps=0))
+        True
+    """
+    return bool(trainer.fit_loop.epoch_loop._is_training_done)

@@ -8,6 +8,9 @@ skipped steps. The gradient norm is the one the clip computed; without clipping 
 on logged steps only (``AMPPrecision.request_grad_norm``). The monitor overrides neither
 ``on_before_optimizer_step`` nor ``configure_gradient_clipping``, so the plugin keeps its
 fast clipping path. Forensics and tracing run only when asked for or when a step was skipped.
+The same values go into ``trainer.callback_metrics`` on logged steps and, when the step was
+not logged, at the end of each epoch's training and before each validation (the scale and
+skip count read there: a few syncs once per epoch or validation, none on other steps).
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from amp_plugin import clipping, diagnostics
+from amp_plugin import diagnostics
 from amp_plugin.diagnostics.health import (
     SHOWN_FLAGS,
     HealthVerdict,
@@ -34,6 +37,7 @@ from amp_plugin.diagnostics.health import (
 from amp_plugin.diagnostics.health_plot import plot_history
 from amp_plugin.diagnostics.health_state import HealthState, ScaleRecord, check_monitor_state
 from amp_plugin.lightning import _compat
+from amp_plugin.lightning._monitor_values import amp_metrics, publish
 from amp_plugin.lightning.plugin import AMPPrecision
 
 __all__ = ["LossScaleMonitor"]
@@ -47,7 +51,10 @@ class LossScaleMonitor(Callback):
     Logged through every logger the Trainer has, on the steps Lightning logs
     (``log_every_n_steps``): ``amp/scale`` (fp16 only), ``amp/skipped_steps``, ``amp/skip_rate``
     (over the last ``window`` steps), ``amp/grad_norm`` (unscaled, before clipping) and, with
-    ``gradient_clip_val`` set, ``amp/grad_norm_clipped``. Health changes (see
+    ``gradient_clip_val`` set, ``amp/grad_norm_clipped``. The same values are in
+    ``trainer.callback_metrics`` on every rank (as float64 tensors), refreshed also at each
+    epoch's end and before each validation, so ``EarlyStopping(monitor="amp/skip_rate")`` and
+    ``ModelCheckpoint(monitor="amp/scale", mode="max")`` work. Health changes (see
     :class:`SkipHealth`) are said once each; a pathological one warns or, with
     ``on_pathological="raise"``, stops training with a ``RuntimeError`` carrying the recent
     history. On the first skipped step and on each turn to pathological the monitor names the
@@ -94,6 +101,7 @@ class LossScaleMonitor(Callback):
         self._progress = 0  # scaler updates (or global steps for bf16) before this batch
         self._named_first_incident = False
         self._restored = False
+        self._published = -1  # the progress count at which amp/* last went into callback_metrics
 
     # -- what users read ----------------------------------------------------------------------
 
@@ -167,6 +175,8 @@ class LossScaleMonitor(Callback):
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._publish_if_stale(trainer)  # a mid-epoch validation's on_validation_end checks see them
         if self._tracer is not None:
             self._tracer.detach()  # validation steps nothing; its forward passes would only cost
 
@@ -231,8 +241,8 @@ class LossScaleMonitor(Callback):
                 skipped,
             )
             self._record(record)
-            if sample and trainer.loggers and trainer.is_global_zero:
-                self._log(trainer, record)
+            if sample:
+                self._publish(trainer, record, log=True)
         first = incident and not self._named_first_incident
         if verdict is not None or first:
             self._named_first_incident |= incident
@@ -240,6 +250,12 @@ class LossScaleMonitor(Callback):
             self._announce(pl_module, verdict, forensics)
         if self._tracer is not None:
             self._tracer.reset()
+        if _compat.epoch_training_done(trainer):
+            self._publish_if_stale(trainer)  # EarlyStopping and ModelCheckpoint look at the epoch's end
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._publish_if_stale(trainer)  # an epoch cut short (trainer.should_stop) ends here
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -270,27 +286,33 @@ class LossScaleMonitor(Callback):
         # The scaler's update count is exact: a batch whose backward was skipped steps Lightning, not it.
         return trainer.global_step if scaler is None else scaler.total_steps
 
-    def _log(self, trainer: Trainer, record: ScaleRecord) -> None:
+    def _publish(self, trainer: Trainer, record: ScaleRecord, log: bool) -> None:
+        """Put ``record``'s metrics into ``callback_metrics`` (every rank) and, if ``log``, the loggers."""
         scaler = self._require_plugin().scaler
-        metrics: dict[str, float] = {}
-        if scaler is not None:
-            metrics["amp/scale"] = record.scale
-            metrics["amp/skipped_steps"] = float(scaler.skipped_steps)  # the scaler's count is the truth
-        else:
-            metrics["amp/skipped_steps"] = float(self._health.skipped)
-        metrics["amp/skip_rate"] = self._health.skip_rate
-        clip = _clipping(trainer)
-        if not math.isnan(record.grad_norm):
-            metrics["amp/grad_norm"] = record.grad_norm
-            if clip is not None and clip[0] == GradClipAlgorithmType.NORM:
-                # The clip multiplies by min(1, clip_val / (norm + 1e-6)): its result's norm, with no pass.
-                coef = clipping.clip_coefficient(torch.tensor(record.grad_norm), clip[1])
-                metrics["amp/grad_norm_clipped"] = record.grad_norm * float(coef)
-        # Straight to the loggers, at the step Lightning files this batch's own metrics under (as its
-        # LearningRateMonitor does): LightningModule.log would cost about 1 ms per metric and call.
-        step = _compat.logged_step(trainer)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+        # The scaler's skip count is the truth (it survives a resume); bf16 has only the monitor's.
+        skipped = self._health.skipped if scaler is None else scaler.skipped_steps
+        metrics = amp_metrics(scaler, record.scale, skipped, self._health.skip_rate, record.grad_norm,
+                              _clipping(trainer))  # fmt: skip
+        publish(trainer, metrics)
+        self._published = self._progress_count(trainer)
+        if log and trainer.loggers and trainer.is_global_zero:
+            # Straight to the loggers, at the step Lightning files this batch's own metrics under (as its
+            # LearningRateMonitor does): LightningModule.log would cost about 1 ms per metric and call.
+            step = _compat.logged_step(trainer)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _publish_if_stale(self, trainer: Trainer) -> None:
+        """Before EarlyStopping/ModelCheckpoint look: the current values, if not published at this step."""
+        if self._plugin is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._published == self._progress_count(trainer):
+            return
+        scaler, norm = self._plugin.scaler, self._plugin.last_grad_norm
+        scale = math.nan if scaler is None else scaler.get_scale()  # one sync, once per epoch or validation
+        grad_norm = math.nan if norm is None else float(norm.item())  # this step's, if it was computed
+        record = ScaleRecord(trainer.global_step, scale, self._health.skipped, grad_norm, False)
+        self._publish(trainer, record, log=False)
 
     def _announce(self, pl_module: LightningModule, verdict: HealthVerdict | None, forensics: bool) -> None:
         if verdict is None:

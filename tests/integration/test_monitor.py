@@ -79,7 +79,9 @@ class Probe(LightningModule):
 
     def on_train_end(self) -> None:
         if self.out_dir is not None:
+            amp = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("amp/")}
             Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(self.seen))
+            Path(self.out_dir, f"metrics{self.global_rank}.json").write_text(json.dumps(amp))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -306,3 +308,149 @@ def test_ddp_spawn_rank_zero_writes_and_ranks_agree(tmp_path: Path) -> None:
         truth = ranks[0][int(row["step"])]
         assert (row["amp/scale"], row["amp/skipped_steps"]) == (truth["scale"], truth["skipped"])
     assert len(list(tmp_path.rglob("metrics.csv"))) == 1
+    # Every rank's callback_metrics (what its EarlyStopping reads) hold the values rank zero logged last.
+    amp = [json.loads((tmp_path / f"metrics{r}.json").read_text()) for r in (0, 1)]
+    assert amp[0] == amp[1] and {k: v for k, v in rows[-1].items() if k.startswith("amp/")} == amp[0]
+
+
+class _Seen(Callback):
+    """Placed after the monitor: callback_metrics' amp/* after each batch, and what loggers got."""
+
+    def __init__(self) -> None:
+        self.after_batch: list[dict[str, float]] = []
+        self.at_epoch_end: list[dict[str, float]] = []
+
+    @staticmethod
+    def _amp(trainer: Trainer) -> dict[str, float]:
+        return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("amp/")}
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self.after_batch.append(self._amp(trainer))
+
+    def on_train_epoch_end(self, trainer: Trainer, *args: Any) -> None:
+        self.at_epoch_end.append(self._amp(trainer))
+
+
+class _ListLogger(CSVLogger):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if any(k.startswith("amp/") for k in metrics):
+            self.calls.append((int(step or 0), dict(metrics)))
+        super().log_metrics(metrics, step)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_callback_metrics_hold_exactly_what_the_logger_got(tmp_path: Path, clip: float | None) -> None:
+    seen, logger, module = _Seen(), _ListLogger(tmp_path), Probe()
+    trainer = Trainer(
+        accelerator="cpu", max_steps=30, plugins=[_plugin()], callbacks=[LossScaleMonitor(window=10), seen],
+        logger=logger, log_every_n_steps=3, gradient_clip_val=clip, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader())
+    assert [s for s, _ in logger.calls] == list(range(2, 30, 3))
+    for step, logged in logger.calls:
+        assert set(seen.after_batch[step]) == set(logged)
+        assert all(_same(seen.after_batch[step][k], v) for k, v in logged.items())
+    assert seen.after_batch[0] == {} and seen.after_batch[2] == seen.after_batch[3]  # kept until the next
+
+
+def _trainer(*callbacks: Callback, steps: int = 80, **kwargs: Any) -> Trainer:
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
+    return Trainer(
+        accelerator="cpu", max_steps=steps, plugins=[_plugin(max_scale=2.0**12)], callbacks=list(callbacks),
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+def test_epoch_end_values_exist_when_no_step_of_the_epoch_is_logged() -> None:
+    # 40 batches an epoch, logging every 100 steps: only the epoch's end publishes (and logs nothing).
+    seen, module = _Seen(), Probe()
+    _trainer(LossScaleMonitor(window=50), seen, log_every_n_steps=100).fit(module, _loader())
+    flags = [s["flag"] for s in module.seen]
+    assert len(seen.at_epoch_end) == 2 and seen.after_batch[38] == {}
+    for values, last in zip(seen.at_epoch_end, (39, 79), strict=True):
+        truth, recent = module.seen[last], flags[max(0, last + 1 - 50) : last + 1]
+        assert values["amp/scale"] == truth["scale"] and values["amp/skipped_steps"] == truth["skipped"]
+        assert values["amp/skip_rate"] == pytest.approx(sum(recent) / len(recent))
+        assert "amp/grad_norm" not in values  # no clip and no logged step: nobody computed it
+        assert seen.after_batch[last] == values  # published in the epoch's last batch, before epoch end
+
+
+@pytest.mark.filterwarnings("ignore:.*LossScaleMonitor")
+def test_early_stopping_on_the_skip_rate_stops_when_skips_pile_up() -> None:
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    # Epoch 0 (steps 0-39) is clean; in epoch 1 ten steps overflow: the rate over 20 steps is 0.5.
+    stop = EarlyStopping(monitor="amp/skip_rate", mode="min", patience=100, divergence_threshold=0.2)
+    module = Probe(poison=tuple(range(70, 80)))
+    trainer = _trainer(stop, LossScaleMonitor(window=20, max_skip_rate=0.9), steps=400, log_every_n_steps=7)
+    trainer.fit(module, _loader())
+    assert trainer.current_epoch == 2 and trainer.global_step == 80 and stop.stopped_epoch == 1
+    assert float(trainer.callback_metrics["amp/skip_rate"]) == 0.5
+
+
+def test_model_checkpoint_keeps_the_epoch_with_the_highest_scale(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(tmp_path, monitor="amp/scale", mode="max", save_top_k=1, filename="{epoch}")
+    module, seen = Probe(poison=(45, 46, 47, 48, 49, 50, 51)), _Seen()
+    _trainer(ckpt, LossScaleMonitor(), seen, steps=120, enable_checkpointing=True, log_every_n_steps=50).fit(
+        module, _loader()
+    )
+    scales = [module.seen[s]["scale"] for s in (39, 79, 119)]
+    assert [v["amp/scale"] for v in seen.at_epoch_end] == scales
+    best = max(range(3), key=lambda e: scales[e])
+    assert Path(ckpt.best_model_path).name == f"epoch={best}.ckpt" and ckpt.best_model_score == max(scales)
+    assert [p.name for p in tmp_path.glob("*.ckpt")] == [f"epoch={best}.ckpt"]
+
+
+class _Syncs(Callback):
+    """Counts Tensor.item calls (the monitor's host syncs) made between two of these around a callback."""
+
+    def __init__(self, counter: list[int], into: list[int] | None = None) -> None:
+        self.counter, self.into = counter, into
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.into is None:
+            self.counter.append(self.counter[0])
+        else:
+            self.into.append(self.counter[0] - self.counter.pop())
+
+
+def test_no_extra_host_sync_on_steps_that_are_neither_logged_nor_an_epochs_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counter, per_step = [0], []
+    item = torch.Tensor.item
+
+    def counting_item(self: torch.Tensor) -> Any:
+        counter[0] += 1
+        return item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    trainer = _trainer(_Syncs(counter), LossScaleMonitor(), _Syncs(counter, per_step), steps=40,
+                       log_every_n_steps=8)  # fmt: skip
+    trainer.fit(Probe(poison=()), _loader(n=20))  # two epochs of 20 steps
+    logged, last = {7, 15, 23, 31, 39}, {19, 39}
+    assert [n for i, n in enumerate(per_step) if i not in logged | last] == [1] * 34  # the skip flag only
+    assert [per_step[i] for i in sorted(last - logged)] == [4]  # flag, scale (value, floor), skips
+
+
+def test_a_mid_epoch_validation_sees_the_values_of_the_step_before_it() -> None:
+    class AtValidation(Callback):
+        def __init__(self) -> None:
+            self.scales: list[tuple[int, float]] = []
+
+        def on_validation_end(self, trainer: Trainer, *args: Any) -> None:
+            self.scales.append((trainer.global_step, float(trainer.callback_metrics["amp/scale"])))
+
+    watch, module = AtValidation(), _Validating()
+    trainer = _trainer(watch, LossScaleMonitor(), steps=30, log_every_n_steps=100, val_check_interval=10,
+                       limit_val_batches=1, num_sanity_val_steps=0)  # fmt: skip
+    trainer.fit(module, _loader(), _loader(n=1))
+    assert watch.scales == [(s, module.seen[s - 1]["scale"]) for s in (10, 20, 30)]

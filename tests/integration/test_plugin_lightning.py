@@ -50,7 +50,7 @@ def _trainer(plugin: Any, steps: int = 2, **kwargs: Any) -> Trainer:
 
 # -- 4. a MixedPrecision to Lightning ------------------------------------------------------------
 
-PINNED = ["after_closure", "attached_trainer", "logged_step", "should_update_logs"]
+PINNED = ["after_closure", "attached_trainer", "epoch_training_done", "logged_step", "should_update_logs"]
 
 
 class _LoggingWatch(Callback):
@@ -59,6 +59,7 @@ class _LoggingWatch(Callback):
     def __init__(self) -> None:
         self.logged: list[bool] = []
         self.steps: list[int] = []
+        self.epoch_done: list[bool] = []
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, i: int) -> None:
         self.logged.append(_compat.should_update_logs(trainer))
@@ -67,6 +68,7 @@ class _LoggingWatch(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
         self.steps.append(_compat.logged_step(trainer))
+        self.epoch_done.append(_compat.epoch_training_done(trainer))
 
 
 def test_lightning_internals_we_read_still_exist() -> None:
@@ -82,6 +84,10 @@ def test_lightning_internals_we_read_still_exist() -> None:
     assert _compat.attached_trainer(module) is trainer
     assert watch.logged == [False, True, False, True]  # every log_every_n_steps-th batch
     assert watch.steps == [0, 1, 2, 3]  # where the batch's own self.log metrics go: steps before it
+    assert watch.epoch_done == [False, False, False, True]  # after the last batch of the (max_steps) epoch
+    # The dict callback_metrics returns is kept: what a callback writes into it is still there.
+    trainer.callback_metrics["amp/pinned"] = torch.tensor(1.0)
+    assert "amp/pinned" in trainer.callback_metrics
     # We override Precision._after_closure, the hook Lightning calls between the closure and the step.
     assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
     assert "_after_closure" in inspect.getsource(MixedPrecision.optimizer_step)
