@@ -34,7 +34,9 @@ def test_every_mixed_precision_method_is_our_own() -> None:
     """Methods inherited from MixedPrecision would drive a torch GradScaler; a new one must fail here."""
     inherited = {name for name, value in vars(MixedPrecision).items() if inspect.isfunction(value)}
     inherited |= {n for n, v in vars(MixedPrecision).items() if isinstance(v, (staticmethod, classmethod))}
-    assert inherited <= set(vars(AMPPrecision)), sorted(inherited - set(vars(AMPPrecision)))
+    mro = AMPPrecision.__mro__
+    ours = {name for cls in mro[: mro.index(MixedPrecision)] for name in vars(cls)}  # the class and its mixins
+    assert inherited <= ours, sorted(inherited - ours)
 
 
 def test_fsdp_strategy_refuses_the_plugin_loudly() -> None:
@@ -130,6 +132,8 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception
         ({"precision": "16-mixed", "clip_fused": "yes"}, ValueError, "clip_fused='yes'"),
         ({"precision": "16-mixed", "lr_on_skip": "skip"}, ValueError, "lr_on_skip='skip'"),
         ({"precision": "16-mixed", "fp32_modules": [int]}, TypeError, "HINT"),
+        ({"precision": "16-mixed", "fp32_functions": ["sigmoid"]}, TypeError, r"'sigmoid' is a name.*torch"),
+        ({"precision": "16-mixed", "fp32_functions": (nn.Sigmoid,)}, TypeError, r"Sigmoid is a class"),
         (
             {"precision": "16-mixed", "device": "meta"},
             ValueError,
@@ -150,6 +154,24 @@ def test_bad_arguments_raise_clearly(kwargs: dict[str, Any], error: type[Excepti
 def test_a_bare_fp32_module_class_gets_our_message() -> None:
     with pytest.raises(TypeError, match=r"classes=<class .*LayerNorm'>; allowed: a tuple .*HINT"):
         AMPPrecision("bf16-mixed", fp32_modules=nn.LayerNorm)  # type: ignore[arg-type]
+
+
+def test_fp32_functions_are_validated_once_and_entered_only_inside_forward_context() -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu", fp32_functions=torch.sigmoid)
+    assert plugin.fp32_functions == (torch.sigmoid,)
+    x = torch.randn(2, dtype=torch.float16)
+    assert torch.sigmoid(x).dtype == torch.float16  # nothing global
+    with plugin.forward_context():
+        assert torch.sigmoid(x).dtype == torch.float32
+        assert torch.tanh(x).dtype == torch.float16
+    assert torch.sigmoid(x).dtype == torch.float16
+
+
+def test_no_fp32_functions_enter_no_mode() -> None:
+    seen: list[bool] = []
+    with AMPPrecision("bf16-mixed", device="cpu").forward_context():
+        seen.append(torch._C._is_torch_function_mode_enabled())
+    assert seen == [False]
 
 
 # -- connect, called by the strategy at fit start ---------------------------------------------------
