@@ -35,7 +35,7 @@ def test_every_mixed_precision_method_is_our_own() -> None:
     inherited = {name for name, value in vars(MixedPrecision).items() if inspect.isfunction(value)}
     inherited |= {n for n, v in vars(MixedPrecision).items() if isinstance(v, (staticmethod, classmethod))}
     mro = AMPPrecision.__mro__
-    ours = {name for cls in mro[: mro.index(MixedPrecision)] for name in vars(cls)}  # the class and its mixins
+    ours = {name for cls in mro[: mro.index(MixedPrecision)] for name in vars(cls)}  # with its mixins
     assert inherited <= ours, sorted(inherited - ours)
 
 
