@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from amp_plugin._validation import fail
+from amp_plugin._validation import autocast_device_types, fail
 from amp_plugin.autocast import CarriedFunctionMode, autocast_state
 
 __all__ = ["Fp32Functions", "Fp32Modules", "check_functions", "check_module_classes", "force_fp32"]
@@ -215,15 +215,23 @@ class Fp32Functions(CarriedFunctionMode):
         super().__init__()
         self.functions = check_functions(functions)
         self._registered = frozenset(self.functions)
+        self._device_types = autocast_device_types()
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         if func not in self._registered:
             return func(*args, **(kwargs or {}))
-        # torch pops this mode while its handler runs, so the call below does not come back here.
-        with autocast_state().disabled().apply():
+        # Flags flipped by hand, not through AutocastState.apply: this runs per call, and costs ~1 us
+        # instead of ~50. torch pops this mode while its handler runs, so func does not come back here.
+        enabled = [d for d in self._device_types if torch.is_autocast_enabled(d)]
+        for device_type in enabled:
+            torch.set_autocast_enabled(device_type, False)
+        try:
             return func(*_to_fp32(tuple(args)), **_to_fp32(kwargs or {}))
+        finally:
+            for device_type in enabled:
+                torch.set_autocast_enabled(device_type, True)
 
     def __repr__(self) -> str:
         return f"Fp32Functions({', '.join(getattr(f, '__qualname__', repr(f)) for f in self.functions)})"
