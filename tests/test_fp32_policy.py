@@ -202,6 +202,8 @@ def test_check_functions_accepts_one_callable_or_a_sequence_and_dedupes() -> Non
     assert check_functions(functions) == (torch.sigmoid, torch.Tensor.softmax, F.gelu)
     assert check_functions(torch.sigmoid) == (torch.sigmoid,)
     assert check_functions([]) == ()
+    names = "torch.sigmoid, torch.Tensor.softmax, torch.nn.functional.gelu"
+    assert repr(Fp32Functions(functions)) == f"Fp32Functions({names})"
 
 
 @pytest.mark.parametrize(
@@ -256,6 +258,14 @@ def test_tensor_methods_are_registered_separately_from_torch_functions() -> None
         assert torch.softmax(x, -1).dtype == torch.bfloat16  # another function object: not registered
     with Fp32Functions(F.softmax):
         assert F.softmax(x, -1).dtype == torch.float32
+
+
+def test_calls_made_inside_another_torch_function_are_not_seen() -> None:
+    """The documented limit: torch suspends the mode while a function it dispatched runs."""
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    with Fp32Functions(torch.Tensor.softmax):
+        assert F.softmax(x, -1).dtype == torch.bfloat16  # F.softmax calls x.softmax inside itself
+        assert x.softmax(-1).dtype == torch.float32
 
 
 def test_gradient_flows_back_in_the_input_dtype() -> None:
