@@ -171,7 +171,9 @@ def test_no_fp32_functions_enter_no_mode() -> None:
     seen: list[bool] = []
     with AMPPrecision("bf16-mixed", device="cpu").forward_context():
         seen.append(torch._C._is_torch_function_mode_enabled())
-    assert seen == [False]
+    with AMPPrecision("32-true", device="cpu", fp32_functions=torch.sigmoid).forward_context():  # type: ignore[arg-type]
+        seen.append(torch._C._is_torch_function_mode_enabled())
+    assert seen == [False, False]
 
 
 # -- connect, called by the strategy at fit start ---------------------------------------------------
