@@ -148,8 +148,9 @@ def check_functions(functions: object) -> tuple[Callable[..., Any], ...]:
     (``torch.Tensor.softmax``) and ``torch.nn.functional`` functions (``F.gelu``).
 
     Raises:
-        TypeError: a name instead of the function, a class, something not callable, or a callable
-            torch never dispatches (your own function); the hint names the first such item.
+        TypeError: a name instead of the function, a class, something not callable, an in-place
+            function (``torch.Tensor.sigmoid_``), or a callable torch never dispatches (your own
+            function); the hint names the first such item.
 
     Example:
         >>> check_functions([torch.sigmoid, torch.Tensor.softmax, torch.sigmoid])
@@ -170,6 +171,12 @@ def check_functions(functions: object) -> tuple[Callable[..., Any], ...]:
     return tuple(dict.fromkeys(functions))
 
 
+_IN_PLACE_DUNDERS = {
+    f"__i{op}__": f"__{op}__"
+    for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
+}
+
+
 def _function_hint(item: object) -> str:
     if isinstance(item, str):
         return f"{item!r} is a name; pass the function itself, e.g. torch.{item.rpartition('.')[2]}."
@@ -178,6 +185,11 @@ def _function_hint(item: object) -> str:
                 "pass the function, e.g. torch.sigmoid.")  # fmt: skip
     if not callable(item):
         return f"{item!r:.60} is not callable; pass functions such as torch.sigmoid."
+    name = getattr(item, "__name__", "")
+    in_place = name[:-1] if name.endswith("_") and not name.endswith("__") else _IN_PLACE_DUNDERS.get(name)
+    if in_place:
+        return (f"{name} works in place: it would change an fp32 copy of a half tensor, not the tensor. "
+                f"Register the out-of-place function (e.g. {in_place}).")  # fmt: skip
     if item not in _dispatched():
         return (
             f"torch does not dispatch {item!r:.60} through __torch_function__, so no mode sees its calls; "
@@ -196,7 +208,8 @@ class Fp32Functions(CarriedFunctionMode):
     """Inside ``with Fp32Functions(functions):``, calls of those functions run in fp32 with autocast off.
 
     Floating-point tensor inputs of lower precision (in args and kwargs, nested in tuples,
-    lists and dicts; fp64 excepted) are cast to fp32, so results are fp32; gradients flow back
+    lists and dicts; fp64 and an ``out=`` tensor excepted) are cast to fp32, so results are fp32
+    (except into a half ``out=``); gradients flow back
     in the inputs' dtypes. Every other call passes through unchanged. A function counts only as
     the object registered: ``torch.sigmoid`` does not cover ``x.sigmoid()`` (``torch.Tensor.sigmoid``).
     Re-entrant and nestable; :func:`~amp_plugin.autocast.propagate_autocast` and
@@ -230,7 +243,9 @@ class Fp32Functions(CarriedFunctionMode):
         for device_type in enabled:
             torch.set_autocast_enabled(device_type, False)
         try:
-            return func(*_to_fp32(tuple(args)), **_to_fp32(kwargs or {}))
+            # out= is the caller's tensor, written in place: casting it would write into a copy.
+            cast = {k: v if k == "out" else _to_fp32(v) for k, v in (kwargs or {}).items()}
+            return func(*_to_fp32(tuple(args)), **cast)
         finally:
             for device_type in enabled:
                 torch.set_autocast_enabled(device_type, True)

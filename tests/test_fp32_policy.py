@@ -215,6 +215,9 @@ def test_check_functions_accepts_one_callable_or_a_sequence_and_dedupes() -> Non
         ((1.5,), r"1.5 is not callable"),
         (None, r"functions=None\) is not allowed"),
         ((lambda x: x,), r"HINT: torch does not dispatch .*custom_fwd"),
+        ((torch.Tensor.sigmoid_,), r"sigmoid_ works in place.*\(e.g. sigmoid\)"),
+        ((torch.relu_,), r"relu_ works in place"),
+        ((torch.Tensor.__iadd__,), r"__iadd__ works in place.*__add__"),
     ],
 )
 def test_check_functions_refuses_what_is_not_a_torch_function(functions: object, match: str) -> None:
@@ -249,6 +252,13 @@ def test_registered_function_sees_autocast_disabled_and_fp32_inputs_nested() -> 
     with torch.autocast("cpu", dtype=torch.bfloat16), Spy(), Fp32Functions(torch.cat):
         torch.cat((half, half.bfloat16(), half.long(), half.double()))
     assert calls == [(False, [torch.float32, torch.float32, torch.int64, torch.float64])]
+
+
+def test_an_out_tensor_is_written_not_a_copy_of_it() -> None:
+    out = torch.empty(2, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16), Fp32Functions(torch.sigmoid):
+        result = torch.sigmoid(torch.zeros(2, dtype=torch.float16), out=out)
+    assert result is out and out.tolist() == [0.5, 0.5]
 
 
 def test_tensor_methods_are_registered_separately_from_torch_functions() -> None:
