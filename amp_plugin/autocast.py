@@ -3,7 +3,9 @@
 Autocast state (enabled and dtype per device type, plus the weight-cache flag) is
 thread-local. torch's ``parallel_apply`` re-enters only "enabled" in replica threads, so
 bf16 silently becomes fp16 in ``nn.DataParallel`` replicas; this module carries the whole
-state instead. Plain torch: nothing here imports Lightning or initialises a device.
+state instead, together with the torch function modes that ask to be carried (such as
+:class:`~amp_plugin.fp32_policy.Fp32Functions`). Plain torch: nothing here imports Lightning or
+initialises a device.
 
 Precision strings live in :mod:`amp_plugin.precision` and fp32 modules in
 :mod:`amp_plugin.fp32_policy`; their names stay importable from here too.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 import torch
 from torch import nn
 from torch.nn.parallel import parallel_apply as _torch_parallel_apply
+from torch.overrides import TorchFunctionMode
 
 from amp_plugin._validation import autocast_device_types, check_device_type, fail
 
@@ -41,6 +45,7 @@ __all__ = [
     "PRECISIONS",
     "AutocastDataParallel",
     "AutocastState",
+    "CarriedFunctionMode",
     "DeviceAutocast",
     "Fp32Modules",
     "Precision",
@@ -69,6 +74,45 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_FP32_POLICY})
+
+
+class _Carried(threading.local):
+    def __init__(self) -> None:  # runs once in every thread that touches the object
+        self.modes: list[CarriedFunctionMode] = []
+
+
+# Mirrors torch's own thread-local mode stack for the modes below (torch offers no public read of it).
+_CARRIED = _Carried()
+
+
+class CarriedFunctionMode(TorchFunctionMode):
+    """A torch function mode that :func:`autocast_state` captures and :meth:`AutocastState.apply` re-enters.
+
+    So :func:`propagate_autocast` and :class:`AutocastDataParallel` carry it into other threads,
+    where torch's mode stack (thread-local) would lose it. Subclasses define ``__torch_function__``.
+
+    Example:
+        >>> class Count(CarriedFunctionMode):
+        ...     calls = 0
+        ...     def __torch_function__(self, func, types, args=(), kwargs=None):
+        ...         Count.calls += 1
+        ...         return func(*args, **(kwargs or {}))
+        >>> with Count():
+        ...     state = autocast_state()
+        >>> with state.apply():
+        ...     _ = torch.ones(1) + 1
+        >>> Count.calls
+        2
+    """
+
+    def __enter__(self) -> CarriedFunctionMode:
+        super().__enter__()
+        _CARRIED.modes.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _CARRIED.modes.pop()  # torch's mode stack is strictly nested, and so is this one
+        super().__exit__(*exc_info)
 
 
 @dataclass(frozen=True)
@@ -100,6 +144,7 @@ class AutocastState:
 
     devices: tuple[DeviceAutocast, ...]
     cache_enabled: bool
+    modes: tuple[CarriedFunctionMode, ...] = ()
 
     def device(self, device_type: str | torch.device) -> DeviceAutocast:
         """The captured state of ``device_type``, checked as by :func:`~amp_plugin.precision.check_device`."""
@@ -112,13 +157,21 @@ class AutocastState:
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
-        """Run the body under exactly this state, then restore the previous one (nesting-safe)."""
+        """Run the body under exactly this state, then restore the previous one (nesting-safe).
+
+        Captured modes not active in the calling thread are entered for the body; active ones are
+        not entered twice.
+        """
         previous = autocast_state()
+        missing = [m for m in self.modes if not any(m is active for active in previous.modes)]
         self._set()
         # Counted like torch.autocast, so the cast-weight cache is cleared when the outermost region ends.
         torch.autocast_increment_nesting()
         try:
-            yield
+            with contextlib.ExitStack() as modes:
+                for mode in missing:
+                    modes.enter_context(mode)
+                yield
         finally:
             if torch.autocast_decrement_nesting() == 0:
                 torch.clear_autocast_cache()
@@ -132,7 +185,7 @@ class AutocastState:
 
 
 def autocast_state() -> AutocastState:
-    """Capture the calling thread's autocast state (every device type, and the cache flag).
+    """Capture the calling thread's autocast state (every device type, the cache flag, carried modes).
 
     Reads thread-local flags only: CUDA is not initialised.
 
@@ -144,7 +197,7 @@ def autocast_state() -> AutocastState:
         DeviceAutocast(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
         for d in autocast_device_types()
     )
-    return AutocastState(devices, torch.is_autocast_cache_enabled())
+    return AutocastState(devices, torch.is_autocast_cache_enabled(), tuple(_CARRIED.modes))
 
 
 def _run_under(state: AutocastState, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:

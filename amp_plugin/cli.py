@@ -1,4 +1,4 @@
-"""Command line: ``python -m amp_plugin doctor [--model package.module:factory] [--json] [--no-measure]``.
+"""Command line: ``python -m amp_plugin doctor [--model pkg.module:factory] [--json] [--no-measure] [--ops]``.
 
 Also installed as the ``amp-plugin`` console script; ``--version`` prints the version. Exit
 status: 0 when all is well, 1 when the model audit has errors, 2 for a usage error (bad
@@ -17,11 +17,20 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from amp_plugin import __version__
 from amp_plugin._validation import fail
-from amp_plugin.diagnostics import AuditReport, audit_model, device_report, format_device_report
+from amp_plugin.diagnostics import (
+    AuditReport,
+    AutocastOps,
+    audit_model,
+    device_report,
+    format_autocast_ops,
+    format_device_report,
+    probe_autocast_ops,
+)
 
 __all__ = ["load_model", "main"]
 
@@ -53,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "doctor":
         parser.print_help(sys.stderr)
         return 2
-    return _doctor(model_spec=args.model, as_json=args.json, measure=not args.no_measure)
+    return _doctor(model_spec=args.model, as_json=args.json, measure=not args.no_measure, ops=args.ops)
 
 
 class _CommandParser(argparse.ArgumentParser):
@@ -99,10 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--model", metavar="MODULE:FACTORY", help="audit the model that FACTORY() returns")
     doctor.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     doctor.add_argument("--no-measure", action="store_true", help="skip the matmul throughput measurement")
+    doctor.add_argument("--ops", action="store_true", help="probe the dtype common ops run in under autocast")
     return parser
 
 
-def _doctor(model_spec: str | None, as_json: bool, measure: bool) -> int:
+def _doctor(model_spec: str | None, as_json: bool, measure: bool, ops: bool = False) -> int:
     audit: AuditReport | None = None
     if model_spec is not None:
         try:
@@ -111,14 +121,28 @@ def _doctor(model_spec: str | None, as_json: bool, measure: bool) -> int:
             print(f"amp-plugin doctor: error: {err}", file=sys.stderr)
             return 2
     report = device_report(measure=measure)
+    probes = _probe_ops() if ops else []
     if as_json:
         document: dict[str, Any] = {"device": report, "audit": audit.to_dict() if audit else None}
+        if ops:
+            document["ops"] = [probe.to_dict() for probe in probes]
         print(json.dumps(document, indent=2))
     else:
         print(format_device_report(report))
         if audit is not None:
             print(f"\n{audit.format()}")
+        if ops:
+            print(f"\n{format_autocast_ops(probes)}")
     return 0 if audit is None or audit.ok else 1
+
+
+def _probe_ops() -> list[AutocastOps]:
+    # The CPU lists, and CUDA's where present (they differ); both autocast dtypes on each.
+    probes = [probe_autocast_ops("cpu", dtype) for dtype in (torch.bfloat16, torch.float16)]
+    if torch.cuda.is_available():
+        cuda_dtypes = (torch.float16, torch.bfloat16) if torch.cuda.is_bf16_supported() else (torch.float16,)
+        probes += [probe_autocast_ops("cuda", dtype) for dtype in cuda_dtypes]
+    return probes
 
 
 def load_model(spec: str) -> nn.Module:

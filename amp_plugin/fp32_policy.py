@@ -1,14 +1,18 @@
-"""What runs in fp32 under autocast: chosen module classes, with autocast off and inputs cast up.
+"""What runs in fp32 under autocast: chosen module classes and torch functions, autocast off, inputs cast up.
 
 :func:`force_fp32` hooks every submodule of a model that is an instance of the given classes
 (``AMPPrecision(fp32_modules=...)`` calls it); :func:`check_module_classes` validates such a
-list. Plain torch: nothing here imports Lightning or initialises a device.
+list. :class:`Fp32Functions` is a context manager (a torch function mode, nothing patched) that
+runs chosen torch functions in fp32 (``AMPPrecision(fp32_functions=...)`` enters it);
+:func:`check_functions` validates them. Plain torch: nothing here imports Lightning or
+initialises a device.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -16,10 +20,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from amp_plugin._validation import fail
-from amp_plugin.autocast import autocast_state
+from amp_plugin._validation import autocast_device_types, fail
+from amp_plugin.autocast import CarriedFunctionMode, autocast_state
 
-__all__ = ["Fp32Modules", "check_module_classes", "force_fp32"]
+__all__ = ["Fp32Functions", "Fp32Modules", "check_functions", "check_module_classes", "force_fp32"]
 
 
 def _to_fp32(value: Any) -> Any:
@@ -134,3 +138,121 @@ def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modu
     if not isinstance(model, nn.Module):
         fail("force_fp32", f"model={model!r:.80}", "a torch.nn.Module", "pass the model.", TypeError)
     return Fp32Modules(model, check_module_classes(classes))
+
+
+def check_functions(
+    functions: object, call: str = "Fp32Functions", name: str = "functions"
+) -> tuple[Callable[..., Any], ...]:
+    """Validate torch functions to run in fp32 (``fp32_functions``); return them as a tuple, deduplicated.
+
+    Accepted: one function or a tuple (or list) of them, each a function torch dispatches through
+    ``__torch_function__``: ``torch.*`` functions (``torch.sigmoid``), Tensor methods
+    (``torch.Tensor.softmax``) and ``torch.nn.functional`` functions (``F.gelu``). ``call`` and
+    ``name`` say in the message where the value was passed.
+
+    Raises:
+        TypeError: a name instead of the function, a class, something not callable, an in-place
+            function (``torch.Tensor.sigmoid_``), or a callable torch never dispatches (your own
+            function); the hint names the first such item.
+
+    Example:
+        >>> check_functions([torch.sigmoid, torch.Tensor.softmax, torch.sigmoid])
+        (<built-in method sigmoid of type object at ...>, <method 'softmax' of 'torch._C.TensorBase' objects>)
+    """
+    if callable(functions) and not isinstance(functions, type):
+        functions = (functions,)
+    if not isinstance(functions, (tuple, list)):
+        hint = "pass the function itself, e.g. torch.sigmoid." if isinstance(functions, str) else (
+            "pass a tuple (or list) of functions, e.g. (torch.sigmoid, torch.Tensor.softmax).")
+        fail(call, f"{name}={functions!r:.80}", "a torch function or a tuple of them", hint, TypeError)
+    for item in functions:
+        hint = _function_hint(item)
+        if hint:
+            allowed = "functions torch dispatches (torch.*, Tensor methods, F.*)"
+            fail(call, f"{name}={functions!r:.120}", allowed, hint, TypeError)
+    return tuple(dict.fromkeys(functions))
+
+
+_IN_PLACE_DUNDERS = {
+    f"__i{op}__": f"__{op}__"
+    for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
+}
+
+
+def _function_hint(item: object) -> str:
+    if isinstance(item, str):
+        return f"{item!r} is a name; pass the function itself, e.g. torch.{item.rpartition('.')[2]}."
+    if isinstance(item, type):
+        return (f"{item.__name__} is a class; for a module class use fp32_modules=, for its function "
+                "pass the function, e.g. torch.sigmoid.")  # fmt: skip
+    if not callable(item):
+        return f"{item!r:.60} is not callable; pass functions such as torch.sigmoid."
+    name = getattr(item, "__name__", "")
+    in_place = name[:-1] if name.endswith("_") and not name.endswith("__") else _IN_PLACE_DUNDERS.get(name)
+    if in_place:
+        return (f"{name} works in place: it would change an fp32 copy of a half tensor, not the tensor. "
+                f"Register the out-of-place function (e.g. {in_place}).")  # fmt: skip
+    if item not in _dispatched():
+        return (
+            f"torch does not dispatch {item!r:.60} through __torch_function__, so no mode sees its calls; "
+            "for your own function use @torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32)."
+        )
+    return ""
+
+
+@functools.cache
+def _dispatched() -> frozenset[Callable[..., Any]]:
+    # About 1,400 functions: a few ms the first time, then free (the plugin builds its mode per step).
+    return frozenset(f for fs in torch.overrides.get_overridable_functions().values() for f in fs)
+
+
+class Fp32Functions(CarriedFunctionMode):
+    """Inside ``with Fp32Functions(functions):``, calls of those functions run in fp32 with autocast off.
+
+    Floating-point tensor inputs of lower precision (in args and kwargs, nested in tuples,
+    lists and dicts; fp64 and an ``out=`` tensor excepted) are cast to fp32, so results are
+    fp32 (except into a half ``out=``); gradients flow back in the inputs' dtypes. Every other
+    call passes through unchanged. A function counts only as
+    the object registered: ``torch.sigmoid`` does not cover ``x.sigmoid()`` (``torch.Tensor.sigmoid``).
+    Re-entrant and nestable; :func:`~amp_plugin.autocast.propagate_autocast` and
+    :class:`~amp_plugin.autocast.AutocastDataParallel` carry it into their threads.
+    Torch is not patched: the mode acts only in the thread and region that entered it.
+
+    Attributes:
+        functions: the registered functions, validated by :func:`check_functions`.
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Functions((torch.sigmoid,)):
+        ...     hidden = torch.nn.Linear(2, 2)(torch.ones(1, 2))
+        ...     hidden.dtype, torch.sigmoid(hidden).dtype, torch.tanh(hidden).dtype
+        (torch.bfloat16, torch.float32, torch.bfloat16)
+    """
+
+    def __init__(self, functions: Callable[..., Any] | Sequence[Callable[..., Any]]) -> None:
+        super().__init__()
+        self.functions = check_functions(functions)
+        self._registered = frozenset(self.functions)
+        self._device_types = autocast_device_types()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func not in self._registered:
+            return func(*args, **(kwargs or {}))
+        # Flags flipped by hand, not through AutocastState.apply: this runs per call, and a registered
+        # call costs ~6 us instead of ~70 (benchmarks/fp32_functions.py). torch pops this mode while
+        # its handler runs, so func does not come back here.
+        enabled = [d for d in self._device_types if torch.is_autocast_enabled(d)]
+        for device_type in enabled:
+            torch.set_autocast_enabled(device_type, False)
+        try:
+            # out= is the caller's tensor, written in place: casting it would write into a copy.
+            cast = {k: v if k == "out" else _to_fp32(v) for k, v in (kwargs or {}).items()}
+            return func(*_to_fp32(tuple(args)), **cast)
+        finally:
+            for device_type in enabled:
+                torch.set_autocast_enabled(device_type, True)
+
+    def __repr__(self) -> str:
+        names = (torch.overrides.resolve_name(f) or repr(f) for f in self.functions)
+        return f"Fp32Functions({', '.join(names)})"

@@ -246,3 +246,25 @@ def test_moved_names_stay_importable_from_autocast() -> None:
     assert set(autocast.__all__) <= set(dir(autocast))
     with pytest.raises(AttributeError, match=r"has no attribute 'nothing'"):
         autocast.nothing  # noqa: B018
+
+
+@pytest.mark.usefixtures("fake_accelerator")
+def test_parallel_apply_carries_fp32_functions_into_replica_threads() -> None:
+    seen: list[tuple[int, torch.dtype]] = []
+
+    class Gate(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append((threading.get_ident(), torch.sigmoid(x.bfloat16()).dtype))
+            return x
+
+    model = AutocastDataParallel(nn.Identity())
+    model.device_ids = [0, 0]
+    inputs = [(torch.randn(2),), (torch.randn(2),)]
+    with torch.autocast("cpu", dtype=torch.bfloat16), fp32_policy.Fp32Functions(torch.sigmoid):
+        torch.nn.parallel.parallel_apply([Gate(), Gate()], inputs, None, [0, 0])
+        theirs = [dtype for _, dtype in seen]
+        seen.clear()
+        model.parallel_apply([Gate(), Gate()], inputs, [{}, {}])
+    assert theirs == [torch.bfloat16] * 2  # torch's replica threads lose the mode
+    assert [dtype for _, dtype in seen] == [torch.float32] * 2
+    assert threading.get_ident() not in {thread for thread, _ in seen}

@@ -56,6 +56,28 @@ def test_doctor_json_parses(capsys: pytest.CaptureFixture[str]) -> None:
     assert document["device"]["recommended_precision"] in ("bf16-mixed", "16-mixed")
 
 
+def test_doctor_ops_prints_the_probed_op_table_for_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--no-measure", "--ops"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("amp_plugin doctor")
+    table = out[out.index("autocast ops:") :].splitlines()
+    assert "cpu bfloat16" in table[2] and "cpu float16" in table[2]
+    assert ("cuda float16" in table[2]) == torch.cuda.is_available()
+    rows = {line.split()[0]: line.split()[1:] for line in table[3:]}
+    assert rows["mm"][:4] == ["lower", "precision", "lower", "precision"]
+    assert rows["mse_loss"][:2] == ["fp32", "fp32"]
+
+
+def test_doctor_ops_json_holds_each_probe(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--json", "--no-measure", "--ops"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert set(document) == {"device", "audit", "ops"}
+    probes = {(p["device"], p["dtype"]) for p in document["ops"]}
+    assert {("cpu", "bfloat16"), ("cpu", "float16")} <= probes
+    mm = next(r for r in document["ops"][0]["rows"] if r["op"] == "mm")
+    assert mm["category"] == "lower precision"
+
+
 def test_doctor_audits_a_bad_model_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--no-measure", "--model", "tests.test_cli:bad_model"]) == 1
     out = capsys.readouterr().out
@@ -128,7 +150,7 @@ def test_a_mistyped_option_is_reported_by_its_subcommand(
     assert err.startswith("usage: amp-plugin doctor ")  # the subcommand's usage, not the top level's
     wrong = argv[-1]
     assert f"amp-plugin doctor: error: unrecognized arguments: {wrong} (doctor does not know {wrong!r}" in err
-    assert "its options: -h/--help, --model MODULE:FACTORY, --json, --no-measure)" in err
+    assert "its options: -h/--help, --model MODULE:FACTORY, --json, --no-measure, --ops)" in err
     assert hint in err and ("HINT" in err) == bool(hint)
 
 

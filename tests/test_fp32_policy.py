@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
-from amp_plugin.autocast import propagate_autocast
-from amp_plugin.fp32_policy import check_module_classes, force_fp32
-from tests._autocast_probes import Recorder, cpu_state
+from amp_plugin.autocast import AutocastDataParallel, autocast_state, propagate_autocast
+from amp_plugin.fp32_policy import Fp32Functions, check_functions, check_module_classes, force_fp32
+from tests._autocast_probes import Recorder, cpu_state, in_thread
 
 # ---------------------------------------------------------------- fp32 modules
 
@@ -190,3 +192,161 @@ def test_module_classes_errors_say_what_is_wrong_and_add_no_hooks(classes: Any, 
     with pytest.raises(TypeError, match=match):
         force_fp32(model, classes)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+# ---------------------------------------------------------------- fp32 functions
+
+
+def test_check_functions_accepts_one_callable_or_a_sequence_and_dedupes() -> None:
+    functions = (torch.sigmoid, torch.Tensor.softmax, F.gelu, torch.sigmoid)
+    assert check_functions(functions) == (torch.sigmoid, torch.Tensor.softmax, F.gelu)
+    assert check_functions(torch.sigmoid) == (torch.sigmoid,)
+    assert check_functions([]) == ()
+    names = "torch.sigmoid, torch.Tensor.softmax, torch.nn.functional.gelu"
+    assert repr(Fp32Functions(functions)) == f"Fp32Functions({names})"
+
+
+@pytest.mark.parametrize(
+    ("functions", "match"),
+    [
+        ("sigmoid", r"functions='sigmoid'\) is not allowed: .*HINT: pass the function itself"),
+        ((torch.sigmoid, "softmax"), r"'softmax' is a name; pass the function itself"),
+        ((nn.Sigmoid,), r"Sigmoid is a class; .*fp32_modules="),
+        ((1.5,), r"1.5 is not callable"),
+        (None, r"functions=None\) is not allowed"),
+        ((lambda x: x,), r"HINT: torch does not dispatch .*custom_fwd"),
+        ((torch.Tensor.sigmoid_,), r"sigmoid_ works in place.*\(e.g. sigmoid\)"),
+        ((torch.relu_,), r"relu_ works in place"),
+        ((torch.Tensor.__iadd__,), r"__iadd__ works in place.*__add__"),
+    ],
+)
+def test_check_functions_refuses_what_is_not_a_torch_function(functions: object, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        check_functions(functions)
+
+
+def test_registered_function_runs_in_fp32_with_autocast_off_and_others_keep_autocast() -> None:
+    seen: list[Any] = []
+    linear = nn.Linear(4, 4)
+    with torch.autocast("cpu", dtype=torch.float16), Fp32Functions((torch.sigmoid, torch.cat)):
+        hidden = linear(torch.randn(2, 4))
+        out = torch.sigmoid(hidden)
+        joined = torch.cat([hidden, hidden.half()])
+        plain = torch.tanh(hidden)
+        seen.append(torch.mm(hidden, hidden.t()).dtype)  # autocast is back on after the call
+    assert hidden.dtype == torch.float16
+    assert (out.dtype, joined.dtype, plain.dtype, seen[0]) == (torch.float32,) * 2 + (torch.float16,) * 2
+    torch.testing.assert_close(out, torch.sigmoid(hidden.float()))
+
+
+def test_registered_function_sees_autocast_disabled_and_fp32_inputs_nested() -> None:
+    calls: list[Any] = []
+
+    class Spy(TorchFunctionMode):  # entered first, so it sees what Fp32Functions passes on
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.cat:
+                calls.append((torch.is_autocast_enabled("cpu"), [t.dtype for t in args[0]]))
+            return func(*args, **(kwargs or {}))
+
+    half = torch.ones(2, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Spy(), Fp32Functions(torch.cat):
+        torch.cat((half, half.bfloat16(), half.long(), half.double()))
+    assert calls == [(False, [torch.float32, torch.float32, torch.int64, torch.float64])]
+
+
+def test_an_out_tensor_is_written_not_a_copy_of_it() -> None:
+    out = torch.empty(2, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16), Fp32Functions(torch.sigmoid):
+        result = torch.sigmoid(torch.zeros(2, dtype=torch.float16), out=out)
+    assert result is out and out.tolist() == [0.5, 0.5]
+
+
+def test_tensor_methods_are_registered_separately_from_torch_functions() -> None:
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    with Fp32Functions(torch.Tensor.softmax):
+        assert x.softmax(-1).dtype == torch.float32
+        assert torch.softmax(x, -1).dtype == torch.bfloat16  # another function object: not registered
+    with Fp32Functions(F.softmax):
+        assert F.softmax(x, -1).dtype == torch.float32
+
+
+def test_calls_made_inside_another_torch_function_are_not_seen() -> None:
+    """The documented limit: torch suspends the mode while a function it dispatched runs."""
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    with Fp32Functions(torch.Tensor.softmax):
+        assert F.softmax(x, -1).dtype == torch.bfloat16  # F.softmax calls x.softmax inside itself
+        assert x.softmax(-1).dtype == torch.float32
+
+
+def test_gradient_flows_back_in_the_input_dtype() -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Functions(torch.sigmoid):
+        hidden = torch.mm(x, torch.ones(4, 4))
+        hidden.retain_grad()
+        loss = torch.sigmoid(hidden).sum()
+    loss.backward()
+    assert hidden.grad is not None and hidden.grad.dtype == torch.bfloat16
+    assert x.grad is not None and x.grad.dtype == torch.float32
+
+
+def test_nesting_and_reentry_restore_the_outer_state() -> None:
+    mode = Fp32Functions(torch.sigmoid)
+    x = torch.randn(2, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16), mode:
+        with mode, Fp32Functions(torch.tanh):
+            assert (torch.sigmoid(x).dtype, torch.tanh(x).dtype) == (torch.float32, torch.float32)
+        assert (torch.sigmoid(x).dtype, torch.tanh(x).dtype) == (torch.float32, torch.float16)
+        assert cpu_state() == (True, torch.float16, True)
+    assert torch.sigmoid(x).dtype == torch.float16
+
+
+def test_an_error_inside_a_registered_call_leaves_autocast_as_it_was() -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Functions(torch.mm):
+        with pytest.raises(RuntimeError):
+            torch.mm(torch.ones(2, 3), torch.ones(2, 3))
+        assert cpu_state() == (True, torch.bfloat16, True)
+
+
+def test_the_mode_reaches_threads_through_propagate_autocast_and_data_parallel() -> None:
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Functions(torch.sigmoid):
+        sigmoid = propagate_autocast(lambda: torch.sigmoid(torch.mm(x, x.t())).dtype)
+        model = AutocastDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Sigmoid()))
+        in_model = model(x).dtype
+    assert in_thread(sigmoid) == torch.float32
+    assert in_thread(lambda: torch.sigmoid(x.bfloat16()).dtype) == torch.bfloat16  # nothing leaks
+    assert in_model == torch.float32
+
+
+def test_the_mode_is_not_entered_twice_in_one_thread() -> None:
+    calls: list[Any] = []
+
+    class Counting(Fp32Functions):
+        def __torch_function__(self, func: Any, *rest: Any, **kwargs: Any) -> Any:
+            calls.append(func)
+            return super().__torch_function__(func, *rest, **kwargs)
+
+    with Counting(torch.sigmoid), autocast_state().apply():
+        torch.sigmoid(torch.ones(1))
+    assert calls.count(torch.sigmoid) == 1
+
+
+def test_fp32_module_inside_the_mode_keeps_the_mode() -> None:
+    model, norm = model_with_norm()
+    force_fp32(model, (Norm,))
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Functions(torch.sigmoid):
+        model(torch.randn(2, 4))
+        assert torch.sigmoid(torch.ones(1, dtype=torch.bfloat16)).dtype == torch.float32
+    assert norm.calls[0]["dtype"] == torch.float32
+
+
+def test_compiled_forward_under_the_mode() -> None:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(torch.mm(x, x))
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Functions(torch.sigmoid):
+        out = compiled(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.sigmoid(torch.mm(x.bfloat16(), x.bfloat16()).float()))

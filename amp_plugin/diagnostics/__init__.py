@@ -11,7 +11,9 @@ One public module per idea; their main names are importable from here too:
   at fit start.
 * :mod:`~amp_plugin.diagnostics.audit`: :func:`audit_model` finds fp16 hazards in a model;
   :mod:`~amp_plugin.diagnostics.device_report`: :func:`device_report` says what this machine
-  supports and which precision to use. Together they back ``python -m amp_plugin doctor``.
+  supports and which precision to use; :mod:`~amp_plugin.diagnostics.autocast_ops`:
+  :func:`probe_autocast_ops` runs common ops under autocast and records the dtype each returns.
+  Together they back ``python -m amp_plugin doctor``.
 * :mod:`~amp_plugin.diagnostics.health`: :class:`~amp_plugin.diagnostics.health.SkipHealth`
   classifies a run's skipped steps (behind ``LossScaleMonitor``).
 
@@ -21,6 +23,7 @@ Plain torch: nothing here imports Lightning; nothing costs anything until it is 
 from __future__ import annotations
 
 from amp_plugin.diagnostics.audit import AuditReport, Finding, audit_model
+from amp_plugin.diagnostics.autocast_ops import AutocastOps, OpProbe, format_autocast_ops, probe_autocast_ops
 from amp_plugin.diagnostics.device_report import device_report, format_device_report
 from amp_plugin.diagnostics.nonfinite import NonFiniteGradient, nonfinite_gradients
 from amp_plugin.diagnostics.optimizer_check import check_optimizer_setup
@@ -28,13 +31,17 @@ from amp_plugin.diagnostics.tracer import NonFiniteRecord, NonFiniteTracer
 
 __all__ = [
     "AuditReport",
+    "AutocastOps",
     "Finding",
     "NonFiniteGradient",
     "NonFiniteRecord",
     "NonFiniteTracer",
+    "OpProbe",
     "audit_model",
     "check_optimizer_setup",
     "device_report",
+    "format_autocast_ops",
     "format_device_report",
     "nonfinite_gradients",
+    "probe_autocast_ops",
 ]

@@ -1,10 +1,11 @@
 """``AMPPrecision``: Lightning's precision hooks, delegated to amp_plugin's plain-torch pieces.
 
-A thin adapter: autocast comes from :mod:`amp_plugin.autocast`, scaling and skipping from
-:class:`~amp_plugin.LossScaler`, clipping from :mod:`amp_plugin.clipping`. Its neighbours in
-:mod:`amp_plugin.lightning` hold the rest: argument and fit-start checks (``checks``), the
-checkpoint entry (``checkpoint``), the skip-aware LR scheduler (``schedulers``), and every read
-of a Lightning internal (``_compat``).
+A thin adapter: autocast comes from :mod:`amp_plugin.autocast`, fp32 modules and functions from
+:mod:`amp_plugin.fp32_policy`, scaling and skipping from :class:`~amp_plugin.LossScaler`, clipping
+from :mod:`amp_plugin.clipping`. Its neighbours in :mod:`amp_plugin.lightning` hold the rest:
+argument and fit-start checks (``checks``), the checkpoint entry (``checkpoint``), the clipping
+hooks (``clipping_hooks``), the skip-aware LR scheduler (``schedulers``), and every read of a
+Lightning internal (``_compat``).
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin import clipping, fp32_policy, precision
-from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
+from amp_plugin import fp32_policy, precision
+from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY, CheckpointHooks
+from amp_plugin.lightning.clipping_hooks import ClippingHooks
 from amp_plugin.lightning.half_weights import HalfWeights
 from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.master_weights import MasterWeights
@@ -36,7 +38,7 @@ from amp_plugin.scaler import LossScaler
 __all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
 
 
-class AMPPrecision(CheckpointHooks, MixedPrecision):
+class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
     """Mixed precision for ``Trainer(plugins=[AMPPrecision(...)])``.
 
     A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
@@ -53,6 +55,9 @@ class AMPPrecision(CheckpointHooks, MixedPrecision):
             settings and state); fp16 gets ``LossScaler()`` by default.
         kernels: kernel backend for the default scaler and for clipping.
         fp32_modules: module classes whose forward runs in fp32 with autocast off.
+        fp32_functions: torch functions (``torch.sigmoid``, ``torch.Tensor.softmax``, ``F.gelu``)
+            whose calls in forward passes run in fp32 with autocast off, through
+            :class:`~amp_plugin.fp32_policy.Fp32Functions` (Apex's ``register_float_function``).
         clip_fused: ``"auto"`` takes the fast clipping path (norm and inf check on the
             still-scaled gradients, one combined multiply or a fold into a fused optimizer)
             unless the LightningModule or a callback overrides ``on_before_optimizer_step``
@@ -93,11 +98,13 @@ class AMPPrecision(CheckpointHooks, MixedPrecision):
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
         rounding_seed: int = 0,
+        fp32_functions: Callable[..., Any] | Sequence[Callable[..., Any]] = (),
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip)
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
         self.kernels = check_backend(kernels)
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules)
+        self.fp32_functions = fp32_policy.check_functions(fp32_functions, "AMPPrecision", "fp32_functions")
         self.clip_fused = clip_fused
         self.lr_on_skip = lr_on_skip
         self.master_weights = master_weights
@@ -242,8 +249,13 @@ class AMPPrecision(CheckpointHooks, MixedPrecision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
+        """Autocast for every step (training, validation, test, predict); inside it, the fp32 functions."""
         with self.autocast_context_manager():
-            yield
+            if not self.fp32_functions or self.dtype == torch.float32:
+                yield
+                return
+            with fp32_policy.Fp32Functions(self.fp32_functions):
+                yield
 
     @override
     @contextmanager
@@ -344,29 +356,12 @@ class AMPPrecision(CheckpointHooks, MixedPrecision):
             self.scaler.update()
         self._last_skip = None  # from here on last_step_skipped describes the whole batch
 
-    def request_grad_norm(self) -> None:
-        """Have the next optimizer step record ``last_grad_norm`` even without clipping.
-
-        With clipping on, the norm comes free with the clip; otherwise it costs one read of the
-        gradients, which is why it is asked for per step (e.g. on logging steps only).
-        """
-        self._want_grad_norm = True
-
     @override
     def _after_closure(self, model: LightningModule, optimizer: Any) -> None:
         _compat.after_closure(self, model, optimizer)  # on_before_optimizer_step hooks, then clipping
         if self._want_grad_norm and self.last_grad_norm is None:
             self.last_grad_norm = self._grad_norm(optimizer)
         self._want_grad_norm = False
-
-    def _grad_norm(self, optimizer: Any) -> Tensor:
-        if self.scaler is not None:
-            return self.scaler.grad_norm(optimizer)
-        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        return self._kernels_for(grads).norm(grads)
-
-    def _kernels_for(self, grads: list[Tensor]) -> Kernels:
-        return get_kernels(self.kernels, grads[0].device if grads else None)
 
     @property
     def masters(self) -> MasterWeights | None:
@@ -388,43 +383,6 @@ class AMPPrecision(CheckpointHooks, MixedPrecision):
         """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
         flag = self._skips.get(id(unwrap_optimizer(optimizer)))
         return flag is not None and bool(flag)
-
-    # -- clipping -------------------------------------------------------------------------------
-
-    @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        if clip_val <= 0 or self._no_clip:
-            return
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            self.clip_grad_by_value(optimizer, clip_val)
-        else:
-            self.clip_grad_by_norm(optimizer, clip_val)
-
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self._norm_clipped = True
-        if self.scaler is not None:
-            self.last_grad_norm = self.scaler.clip_grad_norm_(optimizer, float(clip_val))
-            return
-        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        self.last_grad_norm = clipping.clip_grad_norm_(
-            self._kernels_for(grads), grads, float(clip_val)
-        ).total_norm
-
-    @override
-    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
-            self.last_grad_norm = self._grad_norm(optimizer)
-        if self.scaler is not None:
-            self.scaler.clip_grad_value_(optimizer, float(clip_val))
-        else:
-            Precision.clip_grad_by_value(self, unwrap_optimizer(optimizer), clip_val)
-
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor

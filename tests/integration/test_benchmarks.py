@@ -22,6 +22,7 @@ SMOKE_ARGS = {
     "ddp_overhead.py": ["--quick"],
     "memory.py": ["--quick", "--repeats", "1", "--steps", "1"],
     "numerics_speed.py": ["--quick"],
+    "fp32_functions.py": ["--quick"],
 }
 
 

@@ -385,6 +385,45 @@ def test_fp32_modules_run_in_fp32() -> None:
     assert set(module.net[2].seen) == {torch.float32}
 
 
+class _SigmoidModule(TinyModule):
+    """Records, per training/validation step, the dtypes of a Linear output and of a few functions."""
+
+    def __init__(self) -> None:
+        super().__init__(poison=())
+        self.seen: list[dict[str, torch.dtype]] = []
+
+    def _record(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.net[0](x)
+        gate = torch.sigmoid(hidden)
+        self.seen.append({"linear": hidden.dtype, "sigmoid": gate.dtype, "tanh": torch.tanh(hidden).dtype,
+                          "method": hidden.sigmoid().dtype})  # fmt: skip
+        return self.net[2](gate * hidden)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self._record(batch[0]).float(), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._record(batch[0])
+
+
+@pytest.mark.parametrize(("precision", "half"), [("16-mixed", torch.float16), ("bf16-mixed", torch.bfloat16)])
+def test_fp32_functions_return_fp32_in_training_step_while_linear_stays_half(
+    precision: str, half: torch.dtype
+) -> None:
+    module = _SigmoidModule()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=2, limit_val_batches=1, plugins=[
+            AMPPrecision(precision, device="cpu", fp32_functions=(torch.sigmoid,))  # type: ignore[arg-type]
+        ], logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader(n=2), _loader(n=1))
+    # the registered function is fp32; Linear, unregistered tanh and the method x.sigmoid() keep autocast's
+    expected = {"linear": half, "sigmoid": torch.float32, "tanh": half, "method": half}
+    assert len(module.seen) >= 3 and all(seen == expected for seen in module.seen)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert torch.sigmoid(torch.ones(1, dtype=half)).dtype == half  # nothing left behind after fit
+
+
 def test_fp16_parameters_fail_at_fit_start_naming_them() -> None:
     module = TinyModule(poison=())
     module.net[0].half()

@@ -134,6 +134,12 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception
         ({"precision": "16-mixed", "lr_on_skip": "skip"}, ValueError, "lr_on_skip='skip'"),
         ({"precision": "16-mixed", "fp32_modules": [int]}, TypeError, "HINT"),
         (
+            {"precision": "16-mixed", "fp32_functions": ["sigmoid"]},
+            TypeError,
+            r"^AMPPrecision\(fp32_functions=\['sigmoid'\]\) is not allowed: .*'sigmoid' is a name",
+        ),
+        ({"precision": "16-mixed", "fp32_functions": (nn.Sigmoid,)}, TypeError, r"Sigmoid is a class"),
+        (
             {"precision": "16-mixed", "device": "meta"},
             ValueError,
             r"not available for device type 'meta'.*HINT",
@@ -153,6 +159,26 @@ def test_bad_arguments_raise_clearly(kwargs: dict[str, Any], error: type[Excepti
 def test_a_bare_fp32_module_class_gets_our_message() -> None:
     with pytest.raises(TypeError, match=r"classes=<class .*LayerNorm'>; allowed: a tuple .*HINT"):
         AMPPrecision("bf16-mixed", fp32_modules=nn.LayerNorm)  # type: ignore[arg-type]
+
+
+def test_fp32_functions_are_validated_once_and_entered_only_inside_forward_context() -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu", fp32_functions=torch.sigmoid)
+    assert plugin.fp32_functions == (torch.sigmoid,)
+    x = torch.randn(2, dtype=torch.float16)
+    assert torch.sigmoid(x).dtype == torch.float16  # nothing global
+    with plugin.forward_context():
+        assert torch.sigmoid(x).dtype == torch.float32
+        assert torch.tanh(x).dtype == torch.float16
+    assert torch.sigmoid(x).dtype == torch.float16
+
+
+def test_no_fp32_functions_enter_no_mode() -> None:
+    seen: list[bool] = []
+    with AMPPrecision("bf16-mixed", device="cpu").forward_context():
+        seen.append(torch._C._is_torch_function_mode_enabled())
+    with AMPPrecision("32-true", device="cpu", fp32_functions=torch.sigmoid).forward_context():  # type: ignore[arg-type]
+        seen.append(torch._C._is_torch_function_mode_enabled())
+    assert seen == [False, False]
 
 
 # -- connect, called by the strategy at fit start ---------------------------------------------------
