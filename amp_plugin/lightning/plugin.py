@@ -32,6 +32,7 @@ from amp_plugin.master_weights import MasterWeights
 from amp_plugin.opt_levels import opt_level_arguments
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.scaler import LossScaler
+from amp_plugin.sharding import ShardAwareKernels
 
 __all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
 
@@ -366,7 +367,7 @@ class AMPPrecision(CheckpointHooks, MixedPrecision):
         return self._kernels_for(grads).norm(grads)
 
     def _kernels_for(self, grads: list[Tensor]) -> Kernels:
-        return get_kernels(self.kernels, grads[0].device if grads else None)
+        return ShardAwareKernels(get_kernels(self.kernels, grads[0].device if grads else None))
 
     @property
     def masters(self) -> MasterWeights | None:
