@@ -73,6 +73,16 @@ def _train(model: nn.Module, case: str, rank: int | None) -> dict[str, Any]:
     }
 
 
+def _refused_sharded_flag(model: nn.Module) -> str:
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.1), LossScaler("cpu")
+    scaler.scale(model(_batch()[0]).sum()).backward()
+    try:
+        scaler.clip_grad_norm_(opt, 1.0, sharded=True)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -85,6 +95,7 @@ def _worker(rank: int, store: str, out: str) -> None:
             for layer in (model[0], model[2], model):
                 fully_shard(layer)
             results[case] = {**_train(model, case, rank), "param_type": type(model[2].weight).__name__}
+        results["sharded=True"] = _refused_sharded_flag(model)
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
@@ -137,3 +148,8 @@ def test_sharded_run_matches_the_unsharded_reference(
         norms = [n for step, n in enumerate(rank[case]["norms"]) if step != POISON_STEP]
         want = [n for step, n in enumerate(ref["norms"]) if step != POISON_STEP]
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(want), rtol=1e-5, atol=0.0)
+
+
+def test_sharded_flag_is_refused_for_dtensor_gradients(ranks: list[dict[str, Any]]) -> None:
+    """Their norm is global already; the flag would count every shard's norm once per rank."""
+    assert all("sharded=True" in r["sharded=True"] and "HINT" in r["sharded=True"] for r in ranks)

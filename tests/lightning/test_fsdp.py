@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -130,6 +133,25 @@ def test_clip_grad_by_norm_uses_the_norm_of_every_shard(ranks: list[dict[str, An
     for step in (0, 2):  # finite steps (the clip gradient norm is 6 * |p| > CLIP on each shard)
         whole = math.sqrt(sum(r["amp_plugin"]["clipped_norms"][step] ** 2 for r in ranks))
         assert whole == pytest.approx(CLIP, rel=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_amp_precision_under_model_parallel_strategy_on_cpu(tmp_path: Path, precision: str) -> None:
+    """Lightning's FSDP2 strategy runs on CPU; AMPPrecision handles its DTensor gradients."""
+    script = Path(__file__).with_name("_model_parallel_fit.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), precision], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0]["param_type"] == "DTensor"
+    assert all(r["params_equal_across_ranks"] and r["params_finite"] for r in ranks)
+    assert ranks[0]["norms"] == ranks[1]["norms"]  # the clip norm is the global one on both ranks
+    if precision == "16-mixed":
+        assert [(r["skipped"], r["scale"]) for r in ranks] == [(1, 512.0), (1, 512.0)]
+        assert not math.isfinite(ranks[0]["norms"][2])  # rank 0's own shard was finite
 
 
 @pytest.mark.cuda
