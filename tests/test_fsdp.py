@@ -84,6 +84,7 @@ def _refused_sharded_flag(model: nn.Module) -> str:
 
 
 def _worker(rank: int, store: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
@@ -96,6 +97,14 @@ def _worker(rank: int, store: str, out: str) -> None:
                 fully_shard(layer)
             results[case] = {**_train(model, case, rank), "param_type": type(model[2].weight).__name__}
         results["sharded=True"] = _refused_sharded_flag(model)
+        # HSDP: replicated across the 2 ranks, each shard group of one rank, so every rank holds
+        # the whole gradient: the norm must not be summed over the replicate dimension.
+        mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+        model = _model()
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+        placements = [str(p) for p in model[2].weight.placements]
+        results["hsdp"] = {**_train(model, "foreach", rank), "placements": placements}
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
@@ -153,3 +162,17 @@ def test_sharded_run_matches_the_unsharded_reference(
 def test_sharded_flag_is_refused_for_dtensor_gradients(ranks: list[dict[str, Any]]) -> None:
     """Their norm is global already; the flag would count every shard's norm once per rank."""
     assert all("sharded=True" in r["sharded=True"] and "HINT" in r["sharded=True"] for r in ranks)
+
+
+def test_hsdp_norm_is_not_summed_over_replicas(
+    ranks: list[dict[str, Any]], reference: dict[str, dict[str, Any]]
+) -> None:
+    ref, expected = reference["foreach"], [step == POISON_STEP for step in range(STEPS)]
+    assert ranks[0]["hsdp"]["placements"] == ["R", "S(0)"]  # (Replicate(), Shard(0))
+    for rank in ranks:
+        assert rank["hsdp"]["skipped"] == expected  # rank 0's replica was finite: the flag is agreed
+        norms = [n for step, n in enumerate(rank["hsdp"]["norms"]) if step != POISON_STEP]
+        want = [n for step, n in enumerate(ref["norms"]) if step != POISON_STEP]
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(want), rtol=1e-5, atol=0.0)
+        for got, want_p in zip(rank["hsdp"]["params"], ref["params"], strict=True):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want_p), rtol=1e-5, atol=1e-6)
