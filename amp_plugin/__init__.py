@@ -1,8 +1,8 @@
 """amp_plugin: automatic mixed precision for PyTorch Lightning that long runs can trust.
 
 ``import amp_plugin`` imports neither Lightning nor Apex and does not initialise CUDA.
-The Lightning pieces (:class:`AMPPrecision`, :class:`LossScaleMonitor`, at home in
-:mod:`amp_plugin.lightning`) load on first use.
+The Lightning pieces (:class:`AMPPrecision`, :class:`AMPFSDPPrecision`,
+:class:`LossScaleMonitor`, at home in :mod:`amp_plugin.lightning`) load on first use.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from amp_plugin.kernels import get_kernels
 from amp_plugin.scaler import LossScaler
 
 if TYPE_CHECKING:
-    from amp_plugin.lightning import AMPPrecision, LossScaleMonitor
+    from amp_plugin.lightning import AMPFSDPPrecision, AMPPrecision, LossScaleMonitor
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AMPFSDPPrecision",
     "AMPPrecision",
     "AutocastDataParallel",
     "LossScaleMonitor",
@@ -28,7 +29,11 @@ __all__ = [
     "propagate_autocast",
 ]
 
-_LAZY = {"AMPPrecision": "amp_plugin.lightning", "LossScaleMonitor": "amp_plugin.lightning"}
+_LAZY = {
+    "AMPFSDPPrecision": "amp_plugin.lightning",
+    "AMPPrecision": "amp_plugin.lightning",
+    "LossScaleMonitor": "amp_plugin.lightning",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -21,10 +21,11 @@ from torch import Tensor
 
 from amp_plugin import _scaler_rules
 from amp_plugin._iteration import Iteration, OptimizerState, Stage
-from amp_plugin._validation import check_bool, check_number
+from amp_plugin._validation import check_bool, check_number, fail
 from amp_plugin.distributed import GlobalNormKernels
 from amp_plugin.kernels import Kernels
 from amp_plugin.optim import gradients_to_unscale, handles_unscaling, unwrap_optimizer
+from amp_plugin.sharding import has_dtensor
 
 if TYPE_CHECKING:
     from amp_plugin.scale_policy import DynamicScale
@@ -202,6 +203,7 @@ class UnscaledClipping:
         step as overflowing, also after an explicit ``unscale_``. With ``sharded=True`` the
         optimizer holds only this rank's shard of the gradients, and the norm is that of
         all shards across ``process_group`` (one extra collective of one element).
+        ``DTensor`` gradients (``fully_shard``) need no flag: their norm is always global.
         """
         call = "LossScaler.clip_grad_norm_"
         max_norm = check_number(call, "max_norm", max_norm, low=0.0, hint="e.g. max_norm=1.0.")
@@ -210,6 +212,10 @@ class UnscaledClipping:
         sharded = check_bool(call, "sharded", sharded)
         opt = unwrap_optimizer(optimizer)
         grads = gradients(opt.param_groups)
+        if sharded and has_dtensor(grads):
+            fail(call, "sharded=True", "sharded=False when the gradients are DTensors (fully_shard)",
+                 "DTensor gradients carry their sharding and their norm is already global; "
+                 "sharded=True is for plain tensors that hold one rank's shard (FSDP1, ZeRO).")  # fmt: skip
         kernels = GlobalNormKernels(self._backend(), self.process_group) if sharded else None
         if not self._enabled:
             return clip_grad_norm_(kernels or self._backend(), grads, max_norm, norm_type).total_norm

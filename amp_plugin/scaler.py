@@ -29,6 +29,7 @@ from amp_plugin.optim import (
     unwrap_optimizer,
 )  # fmt: skip
 from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning
+from amp_plugin.sharding import ShardAwareKernels
 
 __all__ = ["LossScaler", "ScaleFloorWarning", "unwrap_optimizer"]
 
@@ -367,7 +368,8 @@ class LossScaler(clipping.UnscaledClipping):
     def _backend(self) -> Kernels:
         if self._kernels is None:
             scale = self._policy.scale
-            self._kernels = get_kernels(self._kernels_name, None if scale is None else scale.device)
+            kernels = get_kernels(self._kernels_name, None if scale is None else scale.device)
+            self._kernels = ShardAwareKernels(kernels)  # DTensor gradients: local shards, global norms
         return self._kernels
 
     def _require_scale(self, call: str) -> Tensor:

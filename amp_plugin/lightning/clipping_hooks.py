@@ -18,6 +18,7 @@ from amp_plugin import clipping
 from amp_plugin.kernels import Backend, Kernels, get_kernels
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.scaler import LossScaler
+from amp_plugin.sharding import ShardAwareKernels
 
 __all__ = ["ClippingHooks"]
 
@@ -56,7 +57,7 @@ class ClippingHooks:
         return self._kernels_for(grads).norm(grads)
 
     def _kernels_for(self, grads: list[Tensor]) -> Kernels:
-        return get_kernels(self.kernels, grads[0].device if grads else None)
+        return ShardAwareKernels(get_kernels(self.kernels, grads[0].device if grads else None))
 
     def clip_gradients(
         self,

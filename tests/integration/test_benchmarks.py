@@ -20,6 +20,7 @@ SMOKE_ARGS = {
     "training_speed.py": ["--quick", "--models", "tiny", "tiny-hooks", "--rounds", "1", "--tiny-steps", "10"],
     "monitor_overhead.py": ["--quick"],
     "ddp_overhead.py": ["--quick"],
+    "fsdp_overhead.py": ["--quick"],
     "memory.py": ["--quick", "--repeats", "1", "--steps", "1"],
     "numerics_speed.py": ["--quick"],
     "fp32_functions.py": ["--quick"],

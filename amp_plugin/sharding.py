@@ -1,0 +1,135 @@
+"""DTensor gradients (torch's ``fully_shard``, FSDP2): kernels on local shards, norms across shards.
+
+Under ``torch.distributed.fsdp.fully_shard`` every parameter and gradient is a ``DTensor``
+whose local part is this rank's shard (``Shard(0)``). Running the scaler's kernels on the
+``DTensor`` itself would go through DTensor's dispatch, where the inf check of each
+``(device, dtype)`` group hides its own all-reduce and a norm fails on the sharded
+dimension. :class:`ShardAwareKernels` runs the kernels on the local shards instead: the
+unscale and multiply touch only this rank's elements, the inf flag stays local until the
+scaler agrees on it across ranks (one all-reduce, ``LossScaler(sync_found_inf=...)``), and
+the norm sums the local shards' contributions over the mesh dimensions the tensors are
+sharded on, so that it is the norm of the whole model on every rank.
+
+Plain tensors pass through unchanged. Nothing here imports ``torch.distributed.tensor``: a
+process that never imported it holds no DTensor.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from amp_plugin._validation import fail
+from amp_plugin.distributed import global_norm
+from amp_plugin.kernels import Kernels
+
+__all__ = ["ShardAwareKernels", "has_dtensor", "local_shards", "shard_groups"]
+
+
+def _dtensor_type() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def has_dtensor(tensors: Sequence[Tensor]) -> bool:
+    """Whether any of ``tensors`` is a ``DTensor`` (cheap when ``torch.distributed.tensor`` is unused).
+
+    Example:
+        >>> has_dtensor([torch.zeros(2)])
+        False
+    """
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+def local_shards(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """This rank's part of each tensor: ``to_local()`` for a ``DTensor``, the tensor itself otherwise.
+
+    The local shard shares storage with the ``DTensor``, so in-place kernels on it change
+    the ``DTensor``.
+
+    Example:
+        >>> t = torch.ones(2)
+        >>> local_shards([t])[0] is t
+        True
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return list(tensors)
+    return [cast(Any, t).to_local() if isinstance(t, dtensor) else t for t in tensors]
+
+
+def shard_groups(tensor: Tensor) -> tuple[Any, ...]:
+    """The process groups over which ``tensor``'s elements are split (empty for a plain tensor).
+
+    One group per mesh dimension with a ``Shard`` placement; ``Replicate`` dimensions hold
+    copies and add nothing. A ``Partial`` placement (a sum not yet reduced) is refused.
+
+    Example:
+        >>> shard_groups(torch.zeros(2))
+        ()
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(tensor, dtensor):
+        return ()
+    dt: Any = tensor
+    groups = []
+    for dim, placement in enumerate(dt.placements):
+        if placement.is_partial():
+            fail("ShardAwareKernels", f"a gradient with placements {dt.placements}",
+                 "Shard or Replicate placements",
+                 "reduce the gradients (fully_shard does) before unscaling or clipping them.")  # fmt: skip
+        if placement.is_shard():
+            groups.append(dt.device_mesh.get_group(dim))
+    return tuple(groups)
+
+
+class ShardAwareKernels:
+    """A kernel backend that runs on the local shards of ``DTensor`` gradients.
+
+    ``unscale_`` and ``mul_`` act on each rank's shard (the inf flag is this rank's; the
+    scaler all-reduces it before any skip decision). ``norm`` is the norm of the whole
+    tensors: each set of tensors sharded over the same groups contributes its local norm
+    reduced over those groups (:func:`~amp_plugin.distributed.global_norm`, one collective
+    of one element per group), and the contributions combine as the wrapped backend
+    combines its ``(device, dtype)`` groups. Lists without a ``DTensor`` go straight to the
+    wrapped backend, so results on plain tensors are bit-identical to it.
+
+    Example:
+        >>> from amp_plugin.kernels import get_kernels
+        >>> k = ShardAwareKernels(get_kernels("torch"))
+        >>> k.name, k.norm([torch.tensor([3.0, 4.0])]).item()
+        ('torch', 5.0)
+    """
+
+    def __init__(self, kernels: Kernels) -> None:
+        self.inner = kernels
+        self.name = kernels.name
+
+    def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+        self.inner.unscale_(local_shards(tensors), inv_scale, found_inf)
+
+    def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
+        self.inner.mul_(local_shards(tensors), factor)
+
+    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor:
+        if not has_dtensor(tensors):
+            return self.inner.norm(tensors, norm_type, exact)
+        by_groups: dict[tuple[Any, ...], list[Tensor]] = {}
+        for tensor in tensors:
+            by_groups.setdefault(shard_groups(tensor), []).append(tensor)
+        partial = []
+        for groups, members in by_groups.items():  # first-seen order: the same on every rank
+            norm = self.inner.norm(local_shards(members), norm_type, exact)
+            for group in groups:
+                norm = global_norm(norm, norm_type, group)
+            partial.append(norm)
+        if len(partial) == 1:
+            return partial[0]
+        device = partial[0].device
+        total: Tensor = torch.linalg.vector_norm(torch.stack([p.to(device) for p in partial]), norm_type)
+        return total

@@ -1,0 +1,174 @@
+"""AMPFSDPPrecision: what Lightning allows on CPU, and a real FSDP fit on CUDA.
+
+Lightning's FSDPStrategy wraps the model in torch's FullyShardedDataParallel (FSDP1), which
+refuses a CPU-only machine, and the Trainer refuses FSDP without a GPU accelerator. On CPU
+the plugin's hooks run in 2 gloo processes where each rank's parameter stands for its
+FSDP1 shard (a plain tensor holding different elements on each rank, as a flat parameter's
+shard does), and are compared with Lightning's own FSDPPrecision.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import FSDPPrecision
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import nn
+
+from amp_plugin import AMPFSDPPrecision, LossScaler
+
+WORLD, POISON_STEP, CLIP = 2, 1, 0.1
+
+
+def test_defaults_and_bad_arguments() -> None:
+    plugin = AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu"))
+    assert isinstance(plugin, FSDPPrecision) and isinstance(plugin.scaler, LossScaler)
+    assert AMPFSDPPrecision("bf16-mixed").scaler is None
+    with pytest.raises(ValueError, match=r"precision='fp8'.*HINT"):
+        AMPFSDPPrecision("fp8")
+    with pytest.raises(TypeError, match=r"scaler=GradScaler.*HINT"):
+        AMPFSDPPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="only with precision='16-mixed'"):
+        AMPFSDPPrecision("bf16-mixed", scaler=LossScaler("cpu"))
+    with pytest.raises(ValueError, match="HINT"):
+        AMPFSDPPrecision("bf16-mixed").clip_grad_by_norm(torch.optim.SGD([nn.Parameter(torch.ones(1))]), 1.0)
+
+
+def test_fsdp_strategy_takes_the_plugin_and_the_trainer_asks_for_a_gpu() -> None:
+    plugin = AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu"))
+    strategy = FSDPStrategy(precision_plugin=plugin)
+    assert strategy.precision_plugin is plugin  # the setter accepts FSDPPrecision subclasses only
+    assert strategy.mixed_precision_config.param_dtype == torch.float16
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(precision_plugin=plugin))
+
+
+def _shard(rank: int) -> nn.Parameter:
+    return nn.Parameter(torch.arange(4.0) / 8 + rank)  # different elements on each rank
+
+
+def _step(
+    plugin: FSDPPrecision, param: nn.Parameter, opt: torch.optim.Optimizer, rank: int, step: int,
+    norms: list[float],
+) -> Any:  # fmt: skip
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (param * param).sum() * 3.0
+        plugin.scaler.scale(loss).backward()  # what pre_backward does, without its trainer hooks
+        if rank == 1 and step == POISON_STEP:
+            param.grad.view(-1)[0] = float("inf")  # rank 1's shard only
+        return loss
+
+    def after_closure(model: Any, optimizer: Any) -> None:  # what Lightning does there: hooks, then clip
+        if isinstance(plugin, AMPFSDPPrecision):
+            plugin.clip_grad_by_norm(optimizer, CLIP)
+            norms.append(plugin.scaler.grad_norm(optimizer).item())  # this shard's, after the clip
+
+    plugin._after_closure = after_closure  # type: ignore[method-assign]
+    return plugin.optimizer_step(opt, SimpleNamespace(automatic_optimization=True), closure)  # type: ignore[arg-type]
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    results: dict[str, Any] = {}
+    try:
+        lightning = FSDPPrecision("16-mixed")  # its scaler= argument refuses every scaler (Lightning 2.6)
+        lightning.scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+        plugins = {
+            "lightning": lightning,
+            "amp_plugin": AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu", init_scale=1024.0)),
+        }
+        for name, plugin in plugins.items():
+            param = _shard(rank)
+            opt = torch.optim.AdamW([param], lr=0.1, fused=True)
+            changed, norms = [], []
+            for step in range(3):
+                before = param.detach().clone()
+                _step(plugin, param, opt, rank, step, norms)
+                changed.append(not torch.equal(before, param.detach()))
+            results[name] = {"stepped": changed, "finite": bool(torch.isfinite(param).all()),
+                             "scale": plugin.scaler.get_scale(), "clipped_norms": norms}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    if not dist.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    root = tmp_path_factory.mktemp("lightning_fsdp")
+    mp.spawn(_worker, args=(str(root / "store"), str(root)), nprocs=WORLD)
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_lightning_plugin_with_a_fused_optimizer_lets_the_ranks_disagree(ranks: list[dict[str, Any]]) -> None:
+    """The gap: ShardedGradScaler all-reduces in unscale_, which Lightning skips for fused optimizers."""
+    assert [r["lightning"]["stepped"][POISON_STEP] for r in ranks] == [True, False]
+
+
+def test_amp_fsdp_precision_makes_every_rank_skip_with_a_fused_optimizer(ranks: list[dict[str, Any]]) -> None:
+    expected = [step != POISON_STEP for step in range(3)]
+    assert [r["amp_plugin"]["stepped"] for r in ranks] == [expected, expected]
+    assert all(r["amp_plugin"]["finite"] and r["amp_plugin"]["scale"] == 512.0 for r in ranks)
+
+
+def test_clip_grad_by_norm_uses_the_norm_of_every_shard(ranks: list[dict[str, Any]]) -> None:
+    """After the clip the shards together have norm CLIP (a per-rank norm would give each shard CLIP)."""
+    for step in (0, 2):  # finite steps (the clip gradient norm is 6 * |p| > CLIP on each shard)
+        whole = math.sqrt(sum(r["amp_plugin"]["clipped_norms"][step] ** 2 for r in ranks))
+        assert whole == pytest.approx(CLIP, rel=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_amp_precision_under_model_parallel_strategy_on_cpu(tmp_path: Path, precision: str) -> None:
+    """Lightning's FSDP2 strategy runs on CPU; AMPPrecision handles its DTensor gradients."""
+    script = Path(__file__).with_name("_model_parallel_fit.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), precision], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0]["param_type"] == "DTensor"
+    assert all(r["params_equal_across_ranks"] and r["params_finite"] for r in ranks)
+    assert ranks[0]["norms"] == ranks[1]["norms"]  # the clip norm is the global one on both ranks
+    if precision == "16-mixed":
+        assert [(r["skipped"], r["scale"]) for r in ranks] == [(1, 512.0), (1, 512.0)]
+        assert not math.isfinite(ranks[0]["norms"][2])  # rank 0's own shard was finite
+
+
+@pytest.mark.cuda
+def test_fit_under_fsdp_strategy_on_cuda(tmp_path: Path) -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Model(BoringModel):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    plugin = AMPFSDPPrecision("16-mixed")
+    trainer = Trainer(
+        accelerator="cuda", devices=1, strategy=FSDPStrategy(precision_plugin=plugin), max_steps=8,
+        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    model = Model()
+    trainer.fit(model)
+    assert plugin.scaler.total_steps == 8
+    assert all(torch.isfinite(p).all() for p in model.parameters())
