@@ -198,3 +198,39 @@ def test_loss_scaler_with_autocast_and_a_compiled_module_matches_eager() -> None
     assert scaler.skipped_steps == eager_scaler.skipped_steps == 1
     assert not counters["graph_break"]
 
+
+
+def test_autocast_entered_inside_the_compiled_function_is_refused_by_dynamo() -> None:
+    # A known limit, pinned so that the docs change when torch lifts it: with autocast entered
+    # *inside* the compiled function, dynamo treats the hooks' autocast switch as a change of the
+    # global state during tracing and stops. Entering autocast outside (as AMPPrecision does) works.
+    model = Block()
+    force_fp32(model, (nn.LayerNorm,))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x, torch.tensor(1.0))
+
+    with pytest.raises(Exception, match=r"autocast\(cpu\)_enabled state changed while dynamo tracing"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(torch.randn(4, 8))
+    assert not torch.is_autocast_enabled("cpu")  # nothing left switched on in this thread
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(torch.randn(4, 8), torch.tensor(1.0))
+    assert out.dtype == torch.bfloat16
+
+
+def test_a_compiled_model_recompiles_when_the_fp32_hooks_are_registered_again() -> None:
+    # Also a known limit: the exit hook is registered with always_call=True (it must close the fp32
+    # region when forward raises), and dynamo guards on that hook's id; ids never repeat, so each
+    # new registration (each Trainer.fit of the plugin) compiles once more. Within a fit: once.
+    compiler = CompileCounterWithBackend("aot_eager")
+    model = Block()
+    compiled = torch.compile(model, fullgraph=True, backend=compiler)
+    x, one = torch.randn(4, 8), torch.tensor(1.0)
+    for registration in range(2):
+        hooks = force_fp32(model, (nn.LayerNorm,))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for _ in range(3):
+                compiled(x, one)
+        hooks.remove()
+        assert compiler.frame_count == registration + 1
