@@ -12,10 +12,11 @@ the numbers. Set-ups, each eager and compiled:
   fp16         AMPPrecision("16-mixed"): fp16 autocast with LossScaler, on CPU too
 
 A callback times each training batch (forward, backward, optimizer step) after ``--warmup``
-batches; a run's steps/s is one over its median step. The first batch of the first compiled run of a
-set-up holds the compilation: "compile s" is that batch minus the first batch of the eager run of
-the same round (``torch._dynamo.reset()`` runs before each set-up; later rounds reuse the graph). Inductor's
-on-disk caches are off unless ``--warm-cache``, so it is a cold compile.
+batches; a run's steps/s is one over its median step. ``torch._dynamo.reset()`` runs once per
+set-up: the first compiled run compiles, later rounds reuse its graph (the fp32_modules set-up
+recompiles in each fit, which registers its hooks anew). "compile s" is the first batch of the
+first compiled run minus the first batch of the eager run of the same round; inductor's FX-graph
+and AOTAutograd caches are off unless ``--warm-cache``, so it is a cold compile.
 Eager and compiled runs alternate in each round (the order rotates), and "compiled/eager" is the
 median over rounds of the per-round ratio. The backend is inductor (it needs a C++ compiler; gcc
 here) unless ``--backend aot_eager``; ``--quick`` uses aot_eager and a 1-layer model, as a smoke
