@@ -104,7 +104,7 @@ def _data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
 
 
-def _fit(module: Regressor, plugin: AMPPrecision) -> None:
+def _fit(module: L.LightningModule, plugin: AMPPrecision) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=STEPS, plugins=[plugin], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -129,6 +129,35 @@ def test_compiled_training_matches_eager_with_no_graph_break(case: str) -> None:
     assert len(compiled.losses) == len(eager.losses) == STEPS
     assert compiled.losses == pytest.approx(eager.losses, rel=REL_TOL[plugin.dtype])
 
+
+
+class WholeStep(Regressor):
+    """A training_step dynamo can take whole: no .item(), no step-dependent Python values."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x, torch.ones(())).float(), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(outputs["loss"].item())
+
+
+@pytest.mark.parametrize("case", ["16-mixed", "bf16 + fp32 LayerNorm"])
+def test_a_compiled_lightning_module_matches_eager(case: str) -> None:
+    # Trainer.fit(torch.compile(module)) compiles training_step itself; the plugin's autocast
+    # region and the fp32 hooks' switch sit around and inside it.
+    eager = WholeStep()
+    _fit(eager, AMPPrecision(device="cpu", **CASES[case]))
+    compiler = CompileCounterWithBackend("aot_eager")
+    module = WholeStep()
+    plugin = AMPPrecision(device="cpu", **CASES[case])
+    _fit(torch.compile(module, fullgraph=True, backend=compiler), plugin)  # type: ignore[arg-type]
+
+    assert compiler.frame_count == 1
+    assert not counters["graph_break"]
+    assert plugin.dtype is not None
+    assert len(module.losses) == len(eager.losses) == STEPS
+    assert module.losses == pytest.approx(eager.losses, rel=REL_TOL[plugin.dtype])
 
 def test_forced_fp32_module_stays_fp32_inside_the_compiled_graph() -> None:
     class Probe(nn.Module):
