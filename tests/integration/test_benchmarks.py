@@ -24,6 +24,7 @@ SMOKE_ARGS = {
     "memory.py": ["--quick", "--repeats", "1", "--steps", "1"],
     "numerics_speed.py": ["--quick"],
     "fp32_functions.py": ["--quick"],
+    "compile_speed.py": ["--quick", "--setups", "bf16", "fp16"],
 }
 
 
