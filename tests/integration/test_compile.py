@@ -31,8 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 STEPS = 6
 REL_TOL = {torch.bfloat16: 2 * 2.0**-8, torch.float16: 2 * 2.0**-11}
 
-# Plugin set-ups trained compiled and eager. An fp32_functions set-up is one more entry here,
-# e.g. "bf16 + fp32 functions": {"precision": "bf16-mixed", "fp32_functions": ...}.
+# Plugin set-ups trained compiled and eager (fp32_functions: Block calls F.gelu).
 CASES: dict[str, dict[str, Any]] = {
     "bf16-mixed": {"precision": "bf16-mixed"},
     "16-mixed": {"precision": "16-mixed"},
@@ -40,6 +39,8 @@ CASES: dict[str, dict[str, Any]] = {
     "fp16 + fp32 LayerNorm": {"precision": "16-mixed", "fp32_modules": (nn.LayerNorm,)},
     "fp16 master weights": {"precision": "16-mixed", "master_weights": True},
     "bf16-true stochastic": {"precision": "bf16-true", "rounding": "stochastic"},
+    "bf16 + fp32 gelu": {"precision": "bf16-mixed", "fp32_functions": (nn.functional.gelu,)},
+    "fp16 + fp32 gelu": {"precision": "16-mixed", "fp32_functions": (nn.functional.gelu,)},
 }
 
 
