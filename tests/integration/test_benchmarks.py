@@ -21,6 +21,7 @@ SMOKE_ARGS = {
     "monitor_overhead.py": ["--quick"],
     "ddp_overhead.py": ["--quick"],
     "memory.py": ["--quick", "--repeats", "1", "--steps", "1"],
+    "fabric_speed.py": ["--quick", "--models", "tiny", "--rounds", "1", "--steps", "2"],
 }
 
 
