@@ -108,7 +108,7 @@ class DynamicScale:
         scale = self._require()
         if self.dynamic:
             self._move(scale, found_inf)
-        self.last_inf.copy_(found_inf > 0)
+        torch.gt(found_inf, 0, out=self.last_inf)  # one op where copy_(found_inf > 0) takes two
         self.skipped += self.last_inf
         self.total_steps += 1
         if self.total_steps % _FLOOR_CHECK_EVERY == 0:
@@ -227,6 +227,5 @@ class DynamicScale:
             scale.copy_(torch.where(held, before, scale))
             growth.masked_fill_(held, 0)
         # The floor changes nothing while the scale is a normal fp32 number above min_scale.
-        first_time = (scale < self.floor) & (self.floor_step < 0)
-        self.floor_step.copy_(torch.where(first_time, self.total_steps, self.floor_step))
+        self.floor_step.masked_fill_((scale < self.floor) & (self.floor_step < 0), self.total_steps)
         scale.clamp_(self.floor, self.max_scale)

@@ -253,9 +253,11 @@ class LossScaler(clipping.UnscaledClipping):
                 "update() was called but no optimizer's gradients were checked for inf/NaN since the "
                 "last update(). HINT: " + _ORDER
             )
-        found_inf = found[0].clone()
-        for other in found[1:]:
-            found_inf += other.to(found_inf.device)
+        found_inf = found[0]  # read only below, and the iteration's flags are dropped with it
+        if len(found) > 1:
+            found_inf = found_inf.clone()
+            for other in found[1:]:
+                found_inf += other.to(found_inf.device)
         self._end_iteration()
         policy.update_(found_inf)
 

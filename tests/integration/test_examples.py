@@ -89,3 +89,11 @@ def test_master_weights_example_shows_the_weight_backup_effect_and_the_opt_level
     assert rows["O2"][1:4] == ["16-mixed", "float16", "float32"]
     assert rows["O3"][1:4] == ["16-true", "float16", "float16"]
     assert float(rows["O3"][5]) == 8.0 and float(rows["O0"][5]) == 16.0
+
+
+def test_fabric_example_skips_clips_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    out = _run("fabric.py", cwd=tmp_path)
+    assert _summary_value(out, "precision").startswith("16-mixed (torch.float16) with LossScaler")
+    assert 0 in ast.literal_eval(_summary_value(out, "skipped steps").partition("at steps ")[2])  # warm-up
+    assert "(unscaled, clipped to 5.0)" in _summary_value(out, "grad norm")
+    assert _summary_value(out, "resume") == "bit-exact"
