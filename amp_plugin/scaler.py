@@ -391,7 +391,7 @@ class LossScaler(clipping.UnscaledClipping):
     def _sync(self, state: OptimizerState) -> None:
         if state.synced or state.found_inf is None:
             return
-        if distributed.sync_enabled(self._sync_mode, self.process_group):
+        if distributed.checked_sync_enabled(self._sync_mode, self.process_group):  # checked in __init__
             distributed.all_reduce_found_inf(state.found_inf, self.process_group)
         state.synced = True
 
