@@ -35,6 +35,7 @@ __all__ = [
     "check_consistency",
     "check_process_group",
     "check_sync_mode",
+    "checked_sync_enabled",
     "global_norm",
     "sync_enabled",
 ]
@@ -114,6 +115,16 @@ def sync_enabled(mode: SyncMode, group: Any = None) -> bool:
     """
     check_choice("sync_enabled", "mode", mode, ("auto", True, False), "pass LossScaler's sync_found_inf.")
     _check_group(group, "sync_enabled")
+    return checked_sync_enabled(mode, group)
+
+
+def checked_sync_enabled(mode: SyncMode, group: Any = None) -> bool:
+    """:func:`sync_enabled` for arguments validated already (``LossScaler`` asks once per step).
+
+    Example:
+        >>> checked_sync_enabled(False)
+        False
+    """
     if mode is False:
         return False
     if mode is True and not _initialised():

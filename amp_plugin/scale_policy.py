@@ -106,10 +106,20 @@ class DynamicScale:
     def update_(self, found_inf: Tensor) -> None:
         """Close an iteration whose combined inf flag is ``found_inf`` (> 0: its steps were skipped)."""
         scale = self._require()
-        if self.dynamic:
-            self._move(scale, found_inf)
-        self.last_inf.copy_(found_inf > 0)
-        self.skipped += self.last_inf
+        if self._clean_on_cpu(scale, found_inf):
+            # No overflow and a scale at or above the floor: the floor and skip bookkeeping below
+            # would change nothing, so only the growth step and the max_scale bound run.
+            torch._amp_update_scale_(
+                scale, self.growth_tracker, found_inf, self.growth_factor, self.backoff_factor,
+                self.growth_interval,
+            )  # fmt: skip
+            scale.clamp_(self.floor, self.max_scale)
+            self.last_inf.zero_()
+        else:
+            if self.dynamic:
+                self._move(scale, found_inf)
+            torch.gt(found_inf, 0, out=self.last_inf)  # one op where copy_(found_inf > 0) takes two
+            self.skipped += self.last_inf
         self.total_steps += 1
         if self.total_steps % _FLOOR_CHECK_EVERY == 0:
             self.report_floor()
@@ -210,6 +220,13 @@ class DynamicScale:
             )
         return self.scale
 
+    def _clean_on_cpu(self, scale: Tensor, found_inf: Tensor) -> bool:
+        """Whether a CPU update may take the short path (reading a CPU tensor costs no device sync)."""
+        return (
+            scale.device.type == "cpu" and found_inf.device.type == "cpu" and self.dynamic
+            and self.hysteresis == 1 and not found_inf.item() and scale.item() >= self.floor
+        )  # fmt: skip
+
     def _move(self, scale: Tensor, found_inf: Tensor) -> None:
         growth = self.growth_tracker
         args = (self.growth_factor, self.backoff_factor, self.growth_interval)
@@ -227,6 +244,5 @@ class DynamicScale:
             scale.copy_(torch.where(held, before, scale))
             growth.masked_fill_(held, 0)
         # The floor changes nothing while the scale is a normal fp32 number above min_scale.
-        first_time = (scale < self.floor) & (self.floor_step < 0)
-        self.floor_step.copy_(torch.where(first_time, self.total_steps, self.floor_step))
+        self.floor_step.masked_fill_((scale < self.floor) & (self.floor_step < 0), self.total_steps)
         scale.clamp_(self.floor, self.max_scale)

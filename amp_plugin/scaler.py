@@ -254,9 +254,11 @@ class LossScaler(clipping.UnscaledClipping):
                 "update() was called but no optimizer's gradients were checked for inf/NaN since the "
                 "last update(). HINT: " + _ORDER
             )
-        found_inf = found[0].clone()
-        for other in found[1:]:
-            found_inf += other.to(found_inf.device)
+        found_inf = found[0]  # read only below, and the iteration's flags are dropped with it
+        if len(found) > 1:
+            found_inf = found_inf.clone()
+            for other in found[1:]:
+                found_inf += other.to(found_inf.device)
         self._end_iteration()
         policy.update_(found_inf)
 
@@ -391,7 +393,7 @@ class LossScaler(clipping.UnscaledClipping):
     def _sync(self, state: OptimizerState) -> None:
         if state.synced or state.found_inf is None:
             return
-        if distributed.sync_enabled(self._sync_mode, self.process_group):
+        if distributed.checked_sync_enabled(self._sync_mode, self.process_group):  # checked in __init__
             distributed.all_reduce_found_inf(state.found_inf, self.process_group)
         state.synced = True
 

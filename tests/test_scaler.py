@@ -388,3 +388,28 @@ def test_disabled_scaler_passes_through() -> None:
     scaler.update()
     assert not torch.equal(model.weight, before)
     assert scaler.get_scale() == 1.0 and scaler.state_dict() == {} and not scaler.is_enabled()
+
+
+@pytest.mark.filterwarnings("ignore::amp_plugin.scale_policy.ScaleFloorWarning")  # min_scale reaches it
+@pytest.mark.parametrize("settings", [{}, {"max_scale": 2.0**10}, {"min_scale": 1.0}])
+def test_the_cpu_short_path_of_update_changes_nothing(
+    settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clean CPU updates skip the floor and skip bookkeeping; the full rule must give the same states."""
+    from amp_plugin.scale_policy import DynamicScale
+
+    rng = random.Random(0)
+    flags = [float(rng.random() < 0.3) for _ in range(300)]
+
+    def run() -> list[Any]:
+        policy = DynamicScale(2.0**8, 2.0, 0.5, 3, **settings)
+        policy.ensure(torch.device("cpu"))
+        states = []
+        for flag in flags:
+            policy.update_(torch.tensor(flag))
+            states.append((policy.state_dict(), int(policy.floor_step), bool(policy.last_inf)))
+        return states
+
+    short = run()
+    monkeypatch.setattr(DynamicScale, "_clean_on_cpu", lambda self, scale, found_inf: False)
+    assert run() == short

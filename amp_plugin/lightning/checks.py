@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from amp_plugin import autocast, diagnostics, fp32_policy
+from amp_plugin import precision as precisions
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import check_precision
@@ -28,6 +29,7 @@ __all__ = [
     "hooks_observe_gradients",
     "lightning_module",
     "module_device",
+    "resolve_settings",
 ]
 
 _OBSERVING_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
@@ -63,6 +65,33 @@ def check_arguments(precision: object, scaler: object, clip_fused: object, lr_on
         "AMPPrecision", "clip_fused", clip_fused, ("auto", True, False), "use 'auto' (or a real bool)."
     )
     check_choice("AMPPrecision", "lr_on_skip", lr_on_skip, ("hold", "advance"), "use 'hold'.")
+
+
+def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, str]:
+    """The autocast device type, dtype and precision name for ``AMPPrecision(requested)`` on ``device``.
+
+    Says (rank zero) what ``"auto"`` chose, and warns when a CPU without fp16/bf16 instructions
+    would emulate them (slower than fp32). Shared by the Trainer and the Fabric plugins.
+
+    Example:
+        >>> resolve_settings("32-true", "cpu")
+        ('cpu', torch.float32, '32-true')
+    """
+    device_type = precisions.check_device(device, "AMPPrecision")
+    dtype = precisions.resolve_precision(requested, device_type)
+    name = requested
+    if requested == "auto":
+        name = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
+        rank_zero_info(f"AMPPrecision('auto') chose {name}: {precisions.auto_precision_reason(device_type)}")
+    if device_type == "cpu" and dtype != torch.float32 and not precisions.native_on_cpu(dtype):
+        kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+        rank_zero_warn(
+            f"AMPPrecision({name!r}): this CPU has no {kind} instructions (AVX512-BF16 or "
+            f"AMX), so CPU autocast emulates {kind}, and training typically runs many times slower than "
+            "in fp32. HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU "
+            "with AMX."
+        )
+    return device_type, dtype, name
 
 
 def check_half_weights(

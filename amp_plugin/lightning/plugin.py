@@ -17,13 +17,12 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin import fp32_policy, precision
+from amp_plugin import fp32_policy
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY, CheckpointHooks
@@ -151,28 +150,11 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
     # -- set-up ---------------------------------------------------------------------------------
 
     def _resolve(self, device: object) -> tuple[str, torch.dtype]:
-        device_type = precision.check_device(device, "AMPPrecision")
-        dtype = precision.resolve_precision(self.requested, device_type)
+        device_type, dtype, self.precision = checks.resolve_settings(self.requested, device)
         # A scaler comes only with "16-mixed" (check_arguments), which always resolves to fp16.
         if self.scaler is None and dtype == torch.float16:
             self.scaler = LossScaler(kernels=self.kernels)
         self.device, self.dtype = device_type, dtype
-        if self.requested == "auto":
-            self.precision = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
-        else:
-            self.precision = self.requested
-        if self.requested == "auto":
-            rank_zero_info(
-                f"AMPPrecision('auto') chose {self.precision}: {precision.auto_precision_reason(device_type)}"
-            )
-        if device_type == "cpu" and dtype != torch.float32 and not precision.native_on_cpu(dtype):
-            name = "bf16" if dtype == torch.bfloat16 else "fp16"
-            rank_zero_warn(
-                f"AMPPrecision({self.precision!r}): this CPU has no {name} instructions (AVX512-BF16 or "
-                f"AMX), so CPU autocast emulates {name}, and training typically runs many times slower than "
-                "in fp32. HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU "
-                "with AMX."
-            )
         return device_type, dtype
 
     def _settings(self, fallback_device: object) -> tuple[str, torch.dtype]:

@@ -25,6 +25,7 @@ SMOKE_ARGS = {
     "numerics_speed.py": ["--quick"],
     "fp32_functions.py": ["--quick"],
     "compile_speed.py": ["--quick", "--setups", "bf16", "fp16"],
+    "fabric_speed.py": ["--quick", "--models", "tiny", "--rounds", "1", "--steps", "2"],
 }
 
 

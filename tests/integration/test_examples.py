@@ -99,3 +99,9 @@ def test_limited_precision_example_prints_the_table_and_writes_the_plot(tmp_path
     assert all(0 <= float(r[-2]) <= 100 for r in rows)
     assert "plot written to runs/limited_precision.png" in out
     assert (tmp_path / "runs" / "limited_precision.png").stat().st_size > 1000
+def test_fabric_example_skips_clips_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    out = _run("fabric.py", cwd=tmp_path)
+    assert _summary_value(out, "precision").startswith("16-mixed (torch.float16) with LossScaler")
+    assert 0 in ast.literal_eval(_summary_value(out, "skipped steps").partition("at steps ")[2])  # warm-up
+    assert "(unscaled, clipped to 5.0)" in _summary_value(out, "grad norm")
+    assert _summary_value(out, "resume") == "bit-exact"

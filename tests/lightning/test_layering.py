@@ -9,9 +9,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "amp_plugin"
 LIGHTNING_DISTRIBUTIONS = ("lightning", "pytorch_lightning", "lightning_fabric")
-# Outside amp_plugin/lightning/, only these may name amp_plugin.lightning: two re-export shims
-# for the documented old paths, and the package's lazy (TYPE_CHECKING) exports.
-SHIMS = {"__init__.py", "plugin.py", "callbacks.py"}
+# Outside amp_plugin/lightning/, only these may name amp_plugin.lightning: three re-export shims
+# (two for the documented old paths, one for Fabric's plugin), and the package's lazy exports.
+SHIMS = {"__init__.py", "plugin.py", "callbacks.py", "fabric.py"}
 
 
 def _imported(source: str) -> list[str]:

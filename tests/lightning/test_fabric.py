@@ -1,0 +1,211 @@
+"""``amp_plugin.fabric.AMPPrecision`` in Lightning Fabric: skips, clipping, checkpoints, DDP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
+from torch import nn
+
+from amp_plugin import LossScaler
+from amp_plugin.fabric import AMPPrecision
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*emulates.*")
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _fabric(plugin: Any, **kwargs: Any) -> Fabric:
+    return Fabric(accelerator="cpu", devices=1, plugins=[plugin], **kwargs)
+
+
+def _setup(plugin: Any, fused: bool = False, lr: float = 0.01) -> tuple[Fabric, Any, Any]:
+    fabric = _fabric(plugin)
+    model = _net()
+    model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=lr, fused=fused))
+    return fabric, model, opt
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)
+
+
+def _train(fabric: Fabric, model: Any, opt: Any, steps: range, max_norm: float | None = None,
+           poison: tuple[int, ...] = ()) -> list[torch.Tensor]:  # fmt: skip
+    norms = []
+    for step in steps:
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        fabric.backward(loss)
+        if step in poison:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        if max_norm is not None:
+            norms.append(fabric.clip_gradients(model, opt, max_norm=max_norm, error_if_nonfinite=False))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_overflowing_step_leaves_weights_and_optimizer_state_untouched(fused: bool) -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu")
+    fabric, model, opt = _setup(plugin, fused=fused)
+    _train(fabric, model, opt, range(2))
+    weights, state = _flat(model).clone(), {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    scale = plugin.scaler.get_scale()
+    _train(fabric, model, opt, range(2, 3), poison=(2,))
+    assert plugin.last_step_skipped and plugin.scaler.skipped_steps == 1
+    assert torch.equal(_flat(model), weights)
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(after[k], v) for k, v in state.items())  # the step counter too
+    assert plugin.scaler.get_scale() == scale / 2
+    _train(fabric, model, opt, range(3, 4))
+    assert not plugin.last_step_skipped and not torch.equal(_flat(model), weights)
+
+
+def test_clip_gradients_returns_and_applies_the_unscaled_norm() -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler("cpu", init_scale=2.0**12))
+    fabric, model, opt = _setup(plugin)
+    x, y = _batch(0)
+    with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+        out = model.module(x.half())
+    nn.functional.mse_loss(out.float(), y).backward()  # unscaled reference gradients
+    ref = [p.grad.clone() for p in model.parameters()]
+    ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref]))
+    opt.zero_grad()
+    fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+    norm = fabric.clip_gradients(model, opt, max_norm=0.1)
+    torch.testing.assert_close(norm, ref_norm)  # the norm before clipping, not scaled
+    assert ref_norm > 0.1
+    for p, g in zip(model.parameters(), ref, strict=True):
+        torch.testing.assert_close(p.grad, g * (0.1 / (ref_norm + 1e-6)))
+    assert fabric.clip_gradients(model, opt, max_norm=0.1) <= 0.1 + 1e-5  # a second clip: still unscaled
+
+
+def test_training_with_clipping_matches_fabrics_mixed_precision_bit_for_bit() -> None:
+    ours = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler("cpu", growth_interval=2))
+    theirs = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", growth_interval=2))
+    results = []
+    for plugin in (ours, theirs):
+        fabric, model, opt = _setup(plugin)
+        norms = _train(fabric, model, opt, range(8), max_norm=0.5, poison=(3,))
+        results.append((_flat(model), torch.stack(norms), plugin.scaler.get_scale()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])  # the overflowing step's inf included
+    assert results[0][2] == results[1][2]
+
+
+def test_fused_optimizers_are_clipped_where_fabrics_mixed_precision_refuses() -> None:
+    fabric, model, opt = _setup(MixedPrecision("16-mixed", "cpu"), fused=True)
+    fabric.backward(model(_batch(0)[0]).float().sum())
+    with pytest.raises(NotImplementedError):
+        fabric.clip_gradients(model, opt, max_norm=0.1)
+    plain = AMPPrecision("16-mixed", device="cpu")
+    fabric, model, opt = _setup(plain)
+    norms = _train(fabric, model, opt, range(4), max_norm=0.1)
+    fused = AMPPrecision("16-mixed", device="cpu")
+    fabric, fused_model, fused_opt = _setup(fused, fused=True)
+    fused_norms = _train(fabric, fused_model, fused_opt, range(4), max_norm=0.1)
+    torch.testing.assert_close(torch.stack(fused_norms), torch.stack(norms))
+    torch.testing.assert_close(_flat(fused_model), _flat(model))
+
+
+def test_a_resume_through_fabric_save_and_load_continues_bit_exactly(tmp_path: Path) -> None:
+    scaler = LossScaler("cpu", init_scale=2.0**20, growth_interval=3)
+    fabric, model, opt = _setup(plugin := AMPPrecision("16-mixed", device="cpu", scaler=scaler))
+    _train(fabric, model, opt, range(5), max_norm=1.0, poison=(1,))
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt, "amp": plugin})
+    _train(fabric, model, opt, range(5, 10), max_norm=1.0, poison=(7,))
+    straight, straight_state = _flat(model), plugin.state_dict()
+
+    resumed = AMPPrecision("16-mixed", device="cpu")
+    fabric, model, opt = _setup(resumed)
+    fabric.load(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt, "amp": resumed})
+    assert resumed.scaler.get_scale() != LossScaler().get_scale()  # the saved scale came back
+    _train(fabric, model, opt, range(5, 10), max_norm=1.0, poison=(7,))
+    assert torch.equal(_flat(model), straight)
+    assert resumed.state_dict() == straight_state
+
+
+def test_bf16_autocasts_without_a_scaler() -> None:
+    plugin = AMPPrecision("bf16-mixed", device="cpu")
+    fabric, model, opt = _setup(plugin)
+    assert plugin.scaler is None and plugin.state_dict() == {}
+    out = model(_batch(0)[0])  # Fabric hands outputs back in fp32 (convert_output)
+    assert torch.equal(out, out.bfloat16().float())  # computed in bf16
+    _train(fabric, model, opt, range(2), max_norm=1.0)
+    assert not plugin.last_step_skipped
+
+
+def test_a_torch_grad_scaler_is_converted_with_its_settings() -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
+    assert isinstance(plugin.scaler, LossScaler) and plugin.scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"precision": "16-true"}, ValueError, r"precision='16-true'.*HINT"),
+        ({"precision": "fp16"}, ValueError, "HINT"),
+        ({"precision": "bf16-mixed", "scaler": LossScaler()}, ValueError, "HINT: drop scaler="),
+        ({"precision": "16-mixed", "scaler": object()}, TypeError, "HINT"),
+        ({"precision": "16-mixed", "device": "tpu"}, ValueError, "HINT"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        AMPPrecision(**kwargs)
+
+
+def test_lbfgs_is_refused_under_loss_scaling() -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu")
+    fabric = _fabric(plugin)
+    model = _net()
+    model, opt = fabric.setup(model, torch.optim.LBFGS(model.parameters()))
+    fabric.backward(model(_batch(0)[0]).float().sum())
+    with pytest.raises(TypeError, match=r"LBFGS.*HINT"):
+        opt.step(lambda: 0.0)
+
+
+def _ddp_worker(fabric: Fabric, out_dir: str) -> None:
+    plugin = fabric.strategy.precision
+    model = _net()
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    rank = fabric.global_rank
+    for step in range(4):
+        x, y = _batch(10 * rank + step)
+        fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+        if rank == 1 and step == 2:  # after DDP's all-reduce: only rank 1 sees the inf
+            next(model.parameters()).grad[0, 0] = float("inf")
+        fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
+        opt.step()
+        opt.zero_grad()
+    flat = _flat(model)
+    gathered = [torch.zeros_like(flat) for _ in range(fabric.world_size)]
+    dist.all_gather(gathered, flat)
+    equal, finite = all(torch.equal(gathered[0], g) for g in gathered), bool(torch.isfinite(flat).all())
+    result = {"skipped": plugin.scaler.skipped_steps, "equal": equal, "finite": finite}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_on_a_skip(tmp_path: Path) -> None:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn",
+                    plugins=[AMPPrecision("16-mixed", device="cpu")])  # fmt: skip
+    fabric.launch(_ddp_worker, str(tmp_path))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert results == [{"skipped": 1, "equal": True, "finite": True}] * 2
