@@ -32,6 +32,7 @@ from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.master_weights import MasterWeights
 from amp_plugin.opt_levels import opt_level_arguments
 from amp_plugin.optim import unwrap_optimizer
+from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.scaler import LossScaler
 
 __all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
@@ -86,7 +87,7 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
 
     def __init__(  # MixedPrecision.__init__ is not called: it would build a torch GradScaler
         self,
-        precision: Literal["16-mixed", "bf16-mixed", "auto"] = "auto",
+        precision: PrecisionName = "auto",
         device: str | None = None,
         scaler: LossScaler | torch.amp.GradScaler | None = None,
         kernels: Backend = "auto",
