@@ -7,6 +7,8 @@ package on first use); ``amp_plugin.plugin`` and ``amp_plugin.callbacks`` still 
 - :class:`AMPFSDPPrecision` (``fsdp.py``): Lightning's ``FSDPPrecision`` with a ``LossScaler``.
 - :class:`LossScaleMonitor` (``monitor.py``): the callback that logs and judges the loss scaler.
 - :data:`CHECKPOINT_KEY` (``checkpoint.py``): where the scaler state sits in a checkpoint.
+- Fabric's ``AMPPrecision`` (``fabric.py``): imported as ``amp_plugin.fabric.AMPPrecision``, not
+  from here, so that the Trainer's plugin keeps the short name.
 """
 
 from __future__ import annotations
