@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -21,3 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_environment() -> Iterator[None]:
+    """Undo what a test leaves in ``os.environ``.
+
+    Lightning's launchers write MASTER_PORT (and the rank variables) into the parent process; a
+    later spawn would reuse that port, sometimes before the last process group released it.
+    """
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
