@@ -160,23 +160,31 @@ class MasterWeights:
 
         Only ``optimizer``'s parameters (all by default). A master with no gradient gets the
         cast copy; one that has one (accumulation across steps without ``zero_grad``) gets it
-        added, so the sums are those of fp32 training. One foreach pass per step for the adds;
+        added, so the sums are those of fp32 training. One foreach pass for the copies, one for the adds;
         the copies are fp32, so a loss scaler unscales them without underflow.
         """
-        dst: list[Tensor] = []
-        src: list[Tensor] = []
+        copy_to: list[Tensor] = []
+        copy_from: list[Tensor] = []
+        add_to: list[Tensor] = []
+        add_from: list[Tensor] = []
         for half, master in self._own(optimizer):
             grad = half.grad
             if grad is None:
                 continue
-            if master.grad is None or grad.is_sparse or master.grad.is_sparse:
+            if grad.is_sparse or (master.grad is not None and master.grad.is_sparse):
                 master.grad = grad.to(master.dtype) if master.grad is None else master.grad + grad
+            elif master.grad is None:
+                master.grad = torch.empty_like(master, memory_format=torch.preserve_format)
+                copy_to.append(master.grad)
+                copy_from.append(grad)
             else:
-                dst.append(master.grad)
-                src.append(grad)
+                add_to.append(master.grad)
+                add_from.append(grad)
             half.grad = None
-        if dst:
-            torch._foreach_add_(dst, src)
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)  # the cast copy, one foreach pass
+        if add_to:
+            torch._foreach_add_(add_to, add_from)
 
     @torch.no_grad()
     def master_to_model(self, optimizer: Any | None = None) -> None:
