@@ -18,7 +18,7 @@ from torch import Tensor
 
 from amp_plugin import _scaler_rules, clipping, distributed
 from amp_plugin._iteration import Iteration, OptimizerState, Stage
-from amp_plugin._validation import check_bool, check_int, check_number, fail
+from amp_plugin._validation import check_bool, fail
 from amp_plugin.kernels import Backend, Kernels, get_kernels
 from amp_plugin.optim import (
     GRAD_SCALER_KWARG_WARNING,
@@ -28,7 +28,7 @@ from amp_plugin.optim import (
     takes_grad_scaler,
     unwrap_optimizer,
 )  # fmt: skip
-from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning
+from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning, ScaleKnobs
 from amp_plugin.sharding import ShardAwareKernels
 
 __all__ = ["LossScaler", "ScaleFloorWarning", "unwrap_optimizer"]
@@ -36,7 +36,7 @@ __all__ = ["LossScaler", "ScaleFloorWarning", "unwrap_optimizer"]
 T = TypeVar("T")
 
 
-class LossScaler(clipping.UnscaledClipping):
+class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
     """Dynamic loss scaling with hysteresis, scale bounds and static mode.
 
     Takes ``torch.amp.GradScaler``'s arguments in its order. With ``hysteresis=1``, no
@@ -269,47 +269,6 @@ class LossScaler(clipping.UnscaledClipping):
     def is_enabled(self) -> bool:
         """Whether scaling is enabled."""
         return self._enabled
-
-    def get_growth_factor(self) -> float:
-        """The factor the scale grows by after ``growth_interval`` clean steps."""
-        return self._policy.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (a finite number > 1), effective from the next ``update()``."""
-        self._policy.growth_factor = check_number("LossScaler.set_growth_factor", "new_factor", new_factor,
-                                           low=1.0, low_open=True, hint="2.0 doubles the scale.")  # fmt: skip
-
-    def get_backoff_factor(self) -> float:
-        """The factor the scale backs off by on overflow."""
-        return self._policy.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)), effective from the next ``update()``."""
-        self._policy.backoff_factor = check_number(
-            "LossScaler.set_backoff_factor", "new_factor", new_factor,
-            low=0.0, high=1.0, low_open=True, high_open=True, hint="0.5 halves the scale on overflow.",
-        )  # fmt: skip
-
-    def get_growth_interval(self) -> int:
-        """Clean steps in a row before the scale grows."""
-        return self._policy.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1), effective from the next ``update()``."""
-        call = "LossScaler.set_growth_interval"
-        self._policy.growth_interval = check_int(
-            call, "new_interval", new_interval, low=1, hint="2000 is torch's default."
-        )
-
-    # torch-style read-only properties, kept for code written against earlier releases
-    growth_factor = property(get_growth_factor)
-    backoff_factor = property(get_backoff_factor)
-    growth_interval = property(get_growth_interval)
-    hysteresis = property(lambda self: self._policy.hysteresis, doc="Overflows in a row before a backoff.")
-    min_scale = property(lambda self: self._policy.min_scale, doc="The lowest scale (None: 2**-126).")
-    max_scale = property(lambda self: self._policy.max_scale, doc="The highest scale (None: unbounded).")
-    dynamic = property(lambda self: self._policy.dynamic, doc="False: static loss scaling.")
-    total_steps = property(lambda self: self._policy.total_steps, doc="Iterations closed by update().")
 
     # -- what happened this iteration ------------------------------------------------------
 
