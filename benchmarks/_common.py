@@ -155,3 +155,14 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+
+
+def init_gloo(rank: int, port: int, world: int) -> None:
+    """Join a gloo process group of ``world`` CPU processes on 127.0.0.1 (one torch thread each)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip

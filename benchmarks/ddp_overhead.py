@@ -17,7 +17,6 @@ wrapping ``torch.distributed.all_reduce`` in this script during a separate, unti
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import socket
 import statistics
@@ -30,7 +29,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import Case, environment, format_table, measure, median_ms, write_json
+from _common import Case, environment, format_table, init_gloo, measure, median_ms, write_json
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -91,11 +90,7 @@ def _time_flag_all_reduce(repeats: int = 500) -> float:
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
+    init_gloo(rank, port, WORLD)
     try:
         torch.manual_seed(0)
         model = TinyLM(args.vocab, args.d_model, args.layers, args.seq)
@@ -145,27 +140,42 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of the TinyLM benchmarks run in gloo processes (this one and fsdp_overhead)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=4, help="training steps per timed sample")
-    parser.add_argument("--repeats", type=int, default=20, help="timed samples (rounds) per mode")
+    parser.add_argument("--repeats", type=int, default=repeats, help="timed samples (rounds) per mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--vocab", type=int, default=2000)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    parser.add_argument("--autocast", choices=sorted(AUTOCAST), default="none", help="CPU autocast dtype")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 samples of a small model")
+    return parser
+
+
+def parse_model_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.warmup, args.d_model, args.layers, args.seq = 3, 1, 64, 1, 16
+    return args
 
+
+def run_workers(worker: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``worker(rank, port, args, out)`` in WORLD processes; rank 0 writes the JSON read back."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "result.json"))
-        mp.spawn(_worker, args=(_free_port(), args, out), nprocs=WORLD, join=True)
-        result = json.loads(Path(out).read_text())
+        mp.spawn(worker, args=(_free_port(), args, out), nprocs=WORLD, join=True)
+        return dict(json.loads(Path(out).read_text()))
+
+
+def main() -> None:
+    parser = model_arguments(__doc__.splitlines()[0], repeats=20)
+    parser.add_argument("--autocast", choices=sorted(AUTOCAST), default="none", help="CPU autocast dtype")
+    args = parse_model_arguments(parser)
+    result = run_workers(_worker, args)
 
     per_step = {name: median_ms(ms) / args.steps for name, ms in result["samples_ms"].items()}
     base = per_step["sync off"]

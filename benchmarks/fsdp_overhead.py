@@ -19,18 +19,22 @@ times the flag all-reduce alone.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import Case, environment, format_table, measure, median_ms, write_json
-from ddp_overhead import TinyLM, _count_scaler_collectives, _free_port, _time_flag_all_reduce
+from _common import Case, environment, format_table, init_gloo, measure, median_ms, write_json
+from ddp_overhead import (
+    TinyLM,
+    _count_scaler_collectives,
+    _time_flag_all_reduce,
+    model_arguments,
+    parse_model_arguments,
+    run_workers,
+)  # fmt: skip
 from torch import nn
 
 from amp_plugin import LossScaler
@@ -62,11 +66,7 @@ def _train_steps(
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
+    init_gloo(rank, port, WORLD)
     try:
         torch.manual_seed(0)
         model = TinyLM(args.vocab, args.d_model, args.layers, args.seq)
@@ -107,25 +107,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="training steps per timed sample")
-    parser.add_argument("--repeats", type=int, default=15, help="timed samples (rounds) per mode")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--vocab", type=int, default=2000)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 3 samples of a small model")
-    args = parser.parse_args()
-    if args.quick:
-        args.repeats, args.warmup, args.d_model, args.layers, args.seq = 3, 1, 64, 1, 16
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp, "result.json"))
-        mp.spawn(_worker, args=(_free_port(), args, out), nprocs=WORLD, join=True)
-        result = json.loads(Path(out).read_text())
+    args = parse_model_arguments(model_arguments(__doc__.splitlines()[0], repeats=15))
+    result = run_workers(_worker, args)
 
     samples = result["samples_ms"]
     per_step = {name: median_ms(ms) / args.steps for name, ms in samples.items()}

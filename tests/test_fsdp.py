@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from amp_plugin import LossScaler
+from tests._ranks import run_ranks
 
 WORLD, STEPS, POISON_STEP, MAX_NORM = 2, 6, 2, 0.5
 CASES = {  # name: (AdamW options, sync_found_inf, clip)
@@ -112,11 +112,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    if not dist.is_available():
-        pytest.skip("this torch build has no torch.distributed")
-    root = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(str(root / "store"), str(root)), nprocs=WORLD)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_worker, tmp_path_factory.mktemp("fsdp"), WORLD)
 
 
 @pytest.fixture(scope="module")

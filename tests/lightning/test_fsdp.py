@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
 from amp_plugin import AMPFSDPPrecision, LossScaler
+from tests._ranks import run_ranks
 
 WORLD, POISON_STEP, CLIP = 2, 1, 0.1
 
@@ -110,11 +110,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    if not dist.is_available():
-        pytest.skip("this torch build has no torch.distributed")
-    root = tmp_path_factory.mktemp("lightning_fsdp")
-    mp.spawn(_worker, args=(str(root / "store"), str(root)), nprocs=WORLD)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_worker, tmp_path_factory.mktemp("lightning_fsdp"), WORLD)
 
 
 def test_lightning_plugin_with_a_fused_optimizer_lets_the_ranks_disagree(ranks: list[dict[str, Any]]) -> None:

@@ -1,0 +1,24 @@
+"""Run a worker in a few gloo processes and read back what each rank wrote.
+
+A worker is ``worker(rank, store, out_dir)``: it joins the group through the file ``store``
+(``init_method=f"file://{store}"``) and writes ``rank<N>.json`` into ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_ranks(worker: Callable[[int, str, str], None], root: Path, world: int) -> list[dict[str, Any]]:
+    """Spawn ``world`` processes of ``worker`` and return each rank's JSON result, rank order."""
+    if not dist.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    mp.spawn(worker, args=(str(root / "store"), str(root)), nprocs=world)
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(world)]
