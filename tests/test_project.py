@@ -47,7 +47,8 @@ def test_every_markdown_file_named_in_the_project_exists() -> None:
     for path in tracked:
         for name in re.findall(r"[\w./-]*\b[A-Za-z_]\w*\.md\b", path.read_text()):
             bare = name.lstrip("./")
-            if not any((base / bare).exists() or (base / name).exists() for base in (path.parent, ROOT, ROOT / "docs")):
+            bases = (path.parent, ROOT, ROOT / "docs")
+            if not any((base / bare).exists() or (base / name).exists() for base in bases):
                 missing.append(f"{path.relative_to(ROOT)}: {name}")
     assert not missing, missing
 
