@@ -51,7 +51,7 @@ class LossScaleMonitor(Callback):
     Logged through every logger the Trainer has, on the steps Lightning logs
     (``log_every_n_steps``): ``amp/scale`` (fp16 only), ``amp/skipped_steps``, ``amp/skip_rate``
     (over the last ``window`` steps), ``amp/grad_norm`` (unscaled, before clipping) and, with
-    ``gradient_clip_val`` set, ``amp/grad_norm_clipped``. The same values are in
+    norm clipping (``gradient_clip_val``, not by value), ``amp/grad_norm_clipped``. The same values are in
     ``trainer.callback_metrics`` on every rank (as float64 tensors), refreshed also at each
     epoch's end and before each validation, so ``EarlyStopping(monitor="amp/skip_rate")`` and
     ``ModelCheckpoint(monitor="amp/scale", mode="max")`` work. Health changes (see
