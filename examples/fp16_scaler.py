@@ -172,12 +172,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         max_scale=2.0**24,
     )
     timeline = Timeline(scaler)
+    monitor = LossScaleMonitor(warmup_steps=20, plot_path=args.plot)
+    if inject_at:
+        monitor.plot_events.append((inject_at, "corrupted input (injected)"))
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=steps,
         plugins=[AMPPrecision("16-mixed", scaler=scaler)],
-        callbacks=[timeline, LossScaleMonitor(warmup_steps=20, plot_path=args.plot)],
+        callbacks=[timeline, monitor],
         logger=CSVLogger(args.log_dir, name="fp16_scaler"),
         log_every_n_steps=10,
         enable_progress_bar=False,  # the timeline is the progress report
@@ -187,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = Regressor(inject_at=inject_at)
     trainer.fit(model, DataLoader(make_dataset(4096, seed=1), batch_size=32, shuffle=True))
     summary = summarize(scaler, timeline, time.perf_counter() - wall_start)
+    summary["plot"] = args.plot
     print_summary(summary)
     return summary
 
@@ -223,6 +227,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("train loss", f"{summary['final_train_loss']:.3f} (mean of the last 20 clean steps)"),
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
     ]
+    if summary.get("plot"):
+        lines.append(("plot", f"{summary['plot']} (scale on a 2^k axis, skips marked; skips so far below)"))
     print_key_values("Summary", lines)
 
 

@@ -73,7 +73,10 @@ def test_quickstart_fp16_reports_the_scaler(tmp_path: Path) -> None:
 
 
 def test_fp16_scaler_shows_warmup_growth_and_the_injected_overflow(tmp_path: Path) -> None:
-    out = _run("fp16_scaler.py", cwd=tmp_path)
+    out = _run("fp16_scaler.py", "--plot", "runs/scale.png", cwd=tmp_path)
+    assert _summary_value(out, "plot").startswith("runs/scale.png (")
+    assert "plot of the loss scale and skips written to runs/scale.png" in out
+    assert (tmp_path / "runs" / "scale.png").stat().st_size > 0
     assert "fp16 gradients overflowed: step skipped, scale x0.5" in out  # warm-up back-off from 2**16
     assert "clean steps in a row: scale x2" in out
     assert "loss is inf/NaN (fp16 forward overflowed): step skipped" in out  # the smoke run injects at 45
