@@ -39,7 +39,7 @@ def plot_history(
         ...     (Path(folder) / "scale.png").stat().st_size > 0
         True
     """
-    if isinstance(events, (str, bytes)) or not all(
+    if not isinstance(events, (list, tuple)) or not all(
         isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], str)
         for e in events
     ):
