@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
-from quickstart import print_key_values, quiet_lightning  # shared with the quickstart
+from quickstart import pin_threads, print_key_values, quiet_lightning  # shared with the quickstart
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -149,6 +149,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--inject-at", type=int, default=300, help="corrupt an input at this step (0: never; default: 300)")
     add("--plot", default=None, help="write a PNG of scale and skips here (needs matplotlib)")
     add("--log-dir", default="runs", help="CSV logs go to LOG_DIR/fp16_scaler (default: runs)")
+    add("--threads", type=int, default=1, help="intra-op threads (default: 1, steady on a busy machine)")
     add("--smoke", action="store_true", help="a short run, for tests")
     return parser.parse_args(argv)
 
@@ -160,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         steps, growth_interval, inject_at = 60, 10, 45
     quiet_lightning()
+    pin_threads(args.threads)  # a tiny model: more threads only wait for each other on a busy machine
     seed_everything(0, verbose=False)
     wall_start = time.perf_counter()
 
