@@ -85,8 +85,13 @@ class Fp32Modules:
         self._handles.clear()
 
 
-def check_module_classes(classes: object) -> tuple[type[nn.Module], ...]:
+def check_module_classes(
+    classes: object, call: str = "check_module_classes", name: str = "classes"
+) -> tuple[type[nn.Module], ...]:
     """Validate a sequence of module classes (``fp32_modules``); return it as a tuple.
+
+    ``call`` and ``name`` are the entry point and the argument the user wrote, for the error
+    message (``AMPPrecision(fp32_modules=...)``).
 
     Raises:
         TypeError: not a tuple or list, or an item that is not a ``torch.nn.Module`` subclass; the
@@ -105,7 +110,7 @@ def check_module_classes(classes: object) -> tuple[type[nn.Module], ...]:
         hint = f"wrap the class in a tuple: ({classes.__name__},)."
     else:
         hint = "pass a tuple (or list), e.g. (torch.nn.LayerNorm,)."
-    raise TypeError(f"got classes={classes!r}; allowed: a tuple of torch.nn.Module subclasses. HINT: {hint}")
+    fail(call, f"{name}={classes!r}", "a tuple of torch.nn.Module subclasses", hint, TypeError)
 
 
 def _class_hint(item: object) -> str:
@@ -137,7 +142,7 @@ def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modu
     """
     if not isinstance(model, nn.Module):
         fail("force_fp32", f"model={model!r:.80}", "a torch.nn.Module", "pass the model.", TypeError)
-    return Fp32Modules(model, check_module_classes(classes))
+    return Fp32Modules(model, check_module_classes(classes, "force_fp32"))
 
 
 def check_functions(

@@ -295,7 +295,7 @@ def cast_model(
     if not isinstance(module, nn.Module):
         fail("cast_model", f"module={module!r:.80}", "a torch.nn.Module", "pass the model.", TypeError)
     dtype = check_half_dtype("cast_model", dtype)
-    keep = check_module_classes(keep_fp32)
+    keep = check_module_classes(keep_fp32, "cast_model", "keep_fp32")
     kept = _kept(module, keep)
     names: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
-from quickstart import print_key_values, quiet_lightning  # shared with the quickstart
+from quickstart import pin_threads, print_key_values, quiet_lightning  # shared with the quickstart
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -149,6 +149,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--inject-at", type=int, default=300, help="corrupt an input at this step (0: never; default: 300)")
     add("--plot", default=None, help="write a PNG of scale and skips here (needs matplotlib)")
     add("--log-dir", default="runs", help="CSV logs go to LOG_DIR/fp16_scaler (default: runs)")
+    add("--threads", type=int, default=1, help="intra-op threads (default: 1, steady on a busy machine)")
     add("--smoke", action="store_true", help="a short run, for tests")
     return parser.parse_args(argv)
 
@@ -160,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         steps, growth_interval, inject_at = 60, 10, 45
     quiet_lightning()
+    pin_threads(args.threads)  # a tiny model: more threads only wait for each other on a busy machine
     seed_everything(0, verbose=False)
     wall_start = time.perf_counter()
 
@@ -172,12 +174,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         max_scale=2.0**24,
     )
     timeline = Timeline(scaler)
+    monitor = LossScaleMonitor(warmup_steps=20, plot_path=args.plot)
+    if inject_at:
+        monitor.plot_events.append((inject_at, "corrupted input (injected)"))
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=steps,
         plugins=[AMPPrecision("16-mixed", scaler=scaler)],
-        callbacks=[timeline, LossScaleMonitor(warmup_steps=20, plot_path=args.plot)],
+        callbacks=[timeline, monitor],
         logger=CSVLogger(args.log_dir, name="fp16_scaler"),
         log_every_n_steps=10,
         enable_progress_bar=False,  # the timeline is the progress report
@@ -187,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = Regressor(inject_at=inject_at)
     trainer.fit(model, DataLoader(make_dataset(4096, seed=1), batch_size=32, shuffle=True))
     summary = summarize(scaler, timeline, time.perf_counter() - wall_start)
+    summary["plot"] = args.plot
     print_summary(summary)
     return summary
 
@@ -223,6 +229,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("train loss", f"{summary['final_train_loss']:.3f} (mean of the last 20 clean steps)"),
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
     ]
+    if summary.get("plot"):
+        lines.append(("plot", f"{summary['plot']} (scale on a 2^k axis, skips marked; skips so far below)"))
     print_key_values("Summary", lines)
 
 

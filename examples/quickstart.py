@@ -9,17 +9,27 @@ gradient_clip_val=1.0)``, AdamW with a one-cycle LR schedule, Lightning's progre
 a torchmetrics accuracy on a held-out set. At the end it prints the precision chosen (and
 why), the training throughput, the final loss and accuracy, and what the loss scaler did.
 
+Its time is stable because it pins its threads: one intra-op thread (``--threads``), one
+inter-op thread and no DataLoader workers. torch would otherwise start one thread per core,
+and on a machine where other processes are busy a thread waiting for its core holds up every
+op (60 steps took 1.9 s with one thread, 22.8 s with two, on a busy 2-core machine). A
+mixed-precision run ends with short runs of the same model and data in fp32 and in the
+chosen precision, two of each (``--fp32-steps`` steps each), timed the same way, to say how
+much faster, or slower, mixed precision is on this machine.
+
 Run::
 
     python examples/quickstart.py                        # bf16 on CPU and on recent GPUs
     python examples/quickstart.py --precision 16-mixed   # fp16 + dynamic loss scaling
     python examples/quickstart.py --precision 32-true    # the fp32 baseline, no plugin
+    python examples/quickstart.py --threads 4            # more intra-op threads, on an idle machine
     python examples/quickstart.py --smoke                # a few steps, for tests
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 import warnings
@@ -41,7 +51,7 @@ VOCAB = 8
 SEQ_LEN = 32
 FAVOURITE_P = 0.08
 PRECISIONS = ("auto", "bf16-mixed", "16-mixed", "32-true")
-_BANNERS = ("available:", "Tip: For seamless cloud logging")
+_BANNERS = ("available:", "Tip: For seamless cloud logging", "`Trainer.fit` stopped")
 
 
 @dataclass(frozen=True)
@@ -185,6 +195,15 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
+def pin_threads(intra_op: int) -> None:
+    """Run on ``intra_op`` intra-op threads (0: torch's default, one per core) and one inter-op thread."""
+    if intra_op > 0:
+        torch.set_num_threads(intra_op)
+    # Only settable before the first inter-op work; a second main() in one process keeps the first.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -194,6 +213,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-every", type=int, default=50, help="validate every N steps (default: 50)")
     parser.add_argument("--accelerator", default="auto", help="Lightning accelerator (default: auto)")
     parser.add_argument("--log-dir", default="runs", help="CSV logs go to LOG_DIR/quickstart (default: runs)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1; 0: one per core)")
+    parser.add_argument("--fp32-steps", type=int, default=40, help="steps per comparison run (0: none)")
     parser.add_argument("--smoke", action="store_true", help="a few steps of a small model, for tests")
     return parser.parse_args(argv)
 
@@ -206,12 +227,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         config = Config(d_model=64, train_samples=512, val_samples=128)
         steps, val_every = min(steps, 12), 6
     quiet_lightning()
+    pin_threads(args.threads)
     seed_everything(0, verbose=False)
     wall_start = time.perf_counter()
 
     model = MajorityTransformer(config, total_steps=steps)
-    train = DataLoader(make_dataset(config.train_samples, seed=1), batch_size=config.batch_size, shuffle=True)
-    val = DataLoader(make_dataset(config.val_samples, seed=2), batch_size=256)
+    train_set = make_dataset(config.train_samples, seed=1)
+    # The data lives in memory: worker processes would only add start-up time and threads.
+    train = DataLoader(train_set, batch_size=config.batch_size, shuffle=True, num_workers=0)
+    val = DataLoader(make_dataset(config.val_samples, seed=2), batch_size=256, num_workers=0)
     plugin = None if args.precision == "32-true" else AMPPrecision(args.precision)
     throughput = Throughput(warmup=2 if args.smoke else 5)
     # The monitor reads AMPPrecision's scaler, so the fp32 baseline runs without it.
@@ -235,8 +259,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if model.validated_at != trainer.global_step:  # the last validation came before the last step
         trainer.validate(model, val, verbose=False)
     summary = summarize(trainer, plugin, model, throughput, monitor, time.perf_counter() - wall_start)
+    summary.update(train_samples=config.train_samples, batch_size=config.batch_size)
+    summary.update(layers=config.layers, d_model=config.d_model)
+    fp32_steps = min(args.fp32_steps, 8) if args.smoke else args.fp32_steps
+    if plugin is not None and fp32_steps > 0:
+        precision = summary["precision"]
+        summary["vs_fp32"] = compare_with_fp32(config, train, args.accelerator, precision, fp32_steps)
     print_summary(summary)
     return summary
+
+
+def compare_with_fp32(
+    config: Config, train: DataLoader[Any], accelerator: str, precision: str, steps: int
+) -> dict[str, float]:
+    """Samples/s of short fp32 and ``precision`` runs of fresh copies of the model, timed alike.
+
+    The runs go fp32, mixed, mixed, fp32, so that a drift in the machine's load hits both
+    alike; no logger, progress bar or monitor in any of them, so the ratio is the step's own.
+    """
+    seconds = {"32-true": 0.0, precision: 0.0}
+    samples = dict.fromkeys(seconds, 0)
+    for name in ("32-true", precision, precision, "32-true"):
+        seed_everything(0, verbose=False)
+        throughput = Throughput(warmup=min(5, steps // 2))
+        trainer = Trainer(
+            accelerator=accelerator, devices=1, max_steps=steps, limit_val_batches=0, gradient_clip_val=1.0,
+            plugins=None if name == "32-true" else [AMPPrecision(name)], callbacks=[throughput], logger=False,
+            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+        )  # fmt: skip
+        with warnings.catch_warnings():  # no validation here, on purpose
+            warnings.filterwarnings("ignore", message=".*no `val_dataloader`.*")
+            trainer.fit(MajorityTransformer(config, total_steps=steps), train)
+        seconds[name] += throughput.seconds
+        samples[name] += throughput.samples
+    return {name: samples[name] / seconds[name] for name in seconds}
 
 
 def summarize(
@@ -285,20 +341,37 @@ def summarize(
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    threads = torch.get_num_threads()
-    return f"{device.type} ({threads} thread{'s' if threads > 1 else ''})"
+    intra, inter = torch.get_num_threads(), torch.get_num_interop_threads()
+    return (
+        f"{device.type} ({intra} intra-op thread{'s' if intra > 1 else ''}, {inter} inter-op "
+        f"thread{'s' if inter > 1 else ''}, no DataLoader workers: pinned, see --threads)"
+    )
 
 
 def print_summary(summary: dict[str, Any]) -> None:
+    samples = summary["train_samples"]
     lines = [
         ("precision", f"{summary['precision']}  ({summary['why']})"),
         ("device", summary["device"]),
-        ("model", f"transformer, {summary['parameters'] / 1e6:.2f}M parameters, {summary['steps']} steps"),
+        ("model", f"MajorityTransformer ({summary['layers']} encoder layers, d_model {summary['d_model']}), "
+                  f"{summary['parameters'] / 1e6:.2f}M parameters"),
+        ("data", f"{samples} sequences of {SEQ_LEN} tokens over {VOCAB} symbols, built here; "
+                 "label: the most frequent symbol"),
+        ("training", f"{summary['steps']} steps of batch {summary['batch_size']} ("
+                     f"{summary['steps'] * summary['batch_size'] / samples:.2f} epochs), AdamW, 1cycle LR"),
         ("throughput", f"{summary['samples_per_second']:.0f} samples/s (training steps after warm-up)"),
+    ]  # fmt: skip
+    if "vs_fp32" in summary:
+        fp32, ours = summary["vs_fp32"]["32-true"], summary["vs_fp32"][summary["precision"]]
+        verdict = "about as fast" if abs(ours / fp32 - 1) < 0.05 else "faster" if ours > fp32 else "slower"
+        lines.append(("vs fp32", f"{summary['precision']} {ours / fp32:.2f}x fp32 ({ours:.0f} against "
+                                 f"{fp32:.0f} samples/s, 2 short runs of each without logging: {verdict} "
+                                 "on this machine)"))
+    lines += [
         ("train loss", f"{summary['final_train_loss']:.4f}"),
         ("val accuracy", f"{summary['val_accuracy']:.1%}  (chance {summary['chance_accuracy']:.1%})"),
         ("loss scaling", summary["loss_scaling"]),
-        ("wall time", f"{summary['wall_seconds']:.1f} s (data, model, fit and validation)"),
+        ("wall time", f"{summary['wall_seconds']:.1f} s (data, model, fit, validation; not the comparison)"),
         ("logs", f"{summary['log_dir']}/metrics.csv (loss, val_acc, amp/*)"),
     ]
     print_key_values("Summary", lines)

@@ -3,13 +3,18 @@
 A block written as a ``>>>`` session runs as a doctest, so its shown output is checked too.
 A block that cannot run here (it needs a GPU, several processes, a user's own model or
 data) is preceded by ``<!-- no-run: why -->``; the reason is required. Blocks of one page
-run in order in one namespace, so a page can build on its earlier blocks, as a reader would.
-A session sees the names of the blocks before it, but what it defines stays in it (doctest
-runs it on a copy of the namespace), so each session imports what it uses itself.
+run in order in one namespace, so a page can build on the objects its earlier blocks made (a
+model, a scaler), as a reader would. A session sees the names of the blocks before it, but
+what it defines stays in it (doctest runs it on a copy of the namespace).
+
+Every block, no-run ones included, imports the torch, Lightning and amp_plugin names it uses
+itself, so a block copied alone into a new file needs no import from another block.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import doctest
 import os
 import re
@@ -51,6 +56,55 @@ def test_page_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Mo
             exec(compile(code, f"{page.name}:{line}", "exec"), namespace)
         except Exception as err:
             raise AssertionError(f"{page.name}, the block at line {line} failed: {err!r}") from err
+
+
+def _library_names() -> set[str]:
+    import lightning.pytorch
+    import lightning.pytorch.strategies
+    import torch
+
+    import amp_plugin
+
+    names = {"torch", "nn", "F", "np", "amp", "apex", "lightning", "amp_plugin"}
+    for module in (amp_plugin, lightning.pytorch, lightning.pytorch.strategies, torch.nn):
+        names.update(n for n in {*dir(module), *getattr(module, "__all__", ())} if n[:1].isupper())
+    return names
+
+
+def _free_names(code: str) -> set[str]:
+    """Names a block reads but neither imports, assigns nor defines (builtins aside)."""
+    if code.lstrip().startswith(">>>"):
+        code = "\n".join(example.source for example in doctest.DocTestParser().get_examples(code))
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:  # an excerpt with `...` for arguments
+        return set()
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return used - bound
+
+
+def test_every_block_imports_the_library_names_it_uses() -> None:
+    """Copied alone into a new file, a block needs no import from another block."""
+    library, missing = _library_names(), []
+    for page in PAGES:
+        for line, code, why in _blocks(page):
+            if why is not None and "excerpt" in why:  # a few lines of torch's or a script's code
+                continue
+            if names := sorted(_free_names(code) & library):
+                missing.append(f"{page.name}:{line}: {', '.join(names)}")
+    assert not missing, missing
 
 
 def _run_doctest(code: str, namespace: dict[str, object], where: str) -> None:

@@ -176,8 +176,8 @@ def test_force_fp32_rejects_bad_arguments(model: Any, classes: Any, match: str) 
 @pytest.mark.parametrize(
     ("classes", "match"),
     [
-        (nn.LayerNorm, r"classes=<class .*LayerNorm'>; allowed: a tuple .*HINT: wrap the class in a tuple: "
-         r"\(LayerNorm,\)"),
+        (nn.LayerNorm, r"classes=<class .*LayerNorm'>\) is not allowed: a tuple .*HINT: wrap the class in a "
+         r"tuple: \(LayerNorm,\)"),
         ((nn.LayerNorm(2),), r"allowed: a tuple of torch\.nn\.Module subclasses\. HINT: LayerNorm\(.*\) is "
          r"an instance; pass its class, LayerNorm"),
         ((nn.LayerNorm, int), r"HINT: int is not a torch\.nn\.Module subclass"),

@@ -28,7 +28,7 @@ def test_auto_picks_bf16_on_cpu_and_says_why() -> None:
 
 
 def test_fp16_on_cpu_is_honoured() -> None:
-    # Lightning turns "16-mixed" into bf16 on CPU (RESEARCH trap 13); we must not.
+    # Lightning turns "16-mixed" into bf16 on CPU (with a warning, Lightning 2.6); we must not.
     dtype = resolve_precision("16-mixed", "cpu")
     with torch.autocast("cpu", dtype=dtype):
         out = nn.Linear(4, 4)(torch.randn(2, 4))

@@ -33,6 +33,26 @@ def test_changelog_follows_keep_a_changelog() -> None:
     assert "## [Unreleased]" in text and "### Added" in text
 
 
+def test_examples_readme_lists_every_example() -> None:
+    rows = re.findall(r"^\| `(\w+\.py)` \|", (ROOT / "examples" / "README.md").read_text(), re.M)
+    assert sorted(rows) == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+
+
+def test_every_markdown_file_named_in_the_project_exists() -> None:
+    """A reader who follows a pointer to a guide or a notes file finds it in the repository."""
+    tracked = [*ROOT.glob("*.md"), *ROOT.glob("*.toml")]
+    for folder in ("amp_plugin", "tests", "docs", "examples", "benchmarks"):
+        tracked += [p for p in (ROOT / folder).rglob("*") if p.suffix in {".py", ".md"}]
+    missing = []
+    for path in tracked:
+        for name in re.findall(r"[\w./-]*\b[A-Za-z_]\w*\.md\b", path.read_text()):
+            bare = name.lstrip("./")
+            bases = (path.parent, ROOT, ROOT / "docs")
+            if not any((base / bare).exists() or (base / name).exists() for base in bases):
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, missing
+
+
 # -- the package's shape -----------------------------------------------------------------------
 
 PACKAGE = ROOT / "amp_plugin"

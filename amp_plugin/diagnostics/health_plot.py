@@ -7,22 +7,29 @@ when a plot is drawn (:func:`amp_plugin._imports.matplotlib_available` says whet
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
+from amp_plugin._validation import fail
 from amp_plugin.diagnostics.health import ScaleRecord, SkipHealth
 
 __all__ = ["plot_history"]
 
 
-def plot_history(records: list[ScaleRecord], path: Path, health: SkipHealth) -> None:
+def plot_history(
+    records: list[ScaleRecord], path: Path, health: SkipHealth, events: Sequence[tuple[int, str]] = ()
+) -> None:
     """Save a figure of ``records`` to ``path``, creating its folder.
 
-    Top: the loss scale (log2 axis) with the skipped steps marked, ``health``'s warm-up shaded
-    and its ``min_scale`` drawn; without a scale (bf16) the unscaled gradient norm instead.
-    Bottom: the count of skipped steps.
+    Top: the loss scale (log2 axis, ticks labelled 2^k) with the skipped steps marked,
+    ``health``'s warm-up shaded and its ``min_scale`` drawn; without a scale (bf16) the
+    unscaled gradient norm instead. Bottom: the cumulative count of skipped steps. Each
+    ``(step, label)`` of ``events`` (an injected fault, a restart) is a dotted vertical line,
+    named in the legend.
 
     Raises:
         ImportError: matplotlib is not installed.
+        TypeError: ``events`` is not a sequence of ``(step, label)`` pairs.
 
     Example:
         >>> import tempfile
@@ -32,7 +39,14 @@ def plot_history(records: list[ScaleRecord], path: Path, health: SkipHealth) -> 
         ...     (Path(folder) / "scale.png").stat().st_size > 0
         True
     """
+    if not isinstance(events, (list, tuple)) or not all(
+        isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], str)
+        for e in events
+    ):
+        fail("plot_history", f"events={events!r:.80}", "a sequence of (step: int, label: str) pairs",
+             "pass e.g. [(300, 'corrupted batch')].", TypeError)  # fmt: skip
     from matplotlib.figure import Figure  # optional: LossScaleMonitor checks for it when constructed
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax_top, ax_skip = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
@@ -52,6 +66,8 @@ def plot_history(records: list[ScaleRecord], path: Path, health: SkipHealth) -> 
         if health.min_scale is not None:
             ax_top.axhline(health.min_scale, color="0.4", linestyle="--", label="min_scale")
         ax_top.set_yscale("log", base=2)
+        ax_top.yaxis.set_major_locator(LogLocator(base=2))
+        ax_top.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"$2^{{{math.log2(y):.0f}}}$"))
         ax_top.set_ylabel("loss scale")
         ax_top.set_title(f"Loss scale and skipped steps (health: {health.state})")
     else:  # bf16: no scale to show; the unscaled gradient norm is the next best thing
@@ -60,9 +76,13 @@ def plot_history(records: list[ScaleRecord], path: Path, health: SkipHealth) -> 
         ax_top.set_yscale("log")
         ax_top.set_ylabel("gradient norm (unscaled)")
         ax_top.set_title(f"Gradient norm and skipped steps (no loss scale; health: {health.state})")
+    colors = ("tab:purple", "tab:olive", "tab:cyan", "tab:brown") * len(events)
+    for (step, label), color in zip(events, colors[: len(events)], strict=True):
+        ax_top.axvline(step, color=color, linestyle=":", label=f"step {step}: {label}")
+        ax_skip.axvline(step, color=color, linestyle=":")
     ax_top.legend(loc="best", fontsize="small")
     ax_skip.step([r.step for r in records], [r.skipped_steps for r in records], where="post", color="tab:red")
-    ax_skip.set_ylabel("skipped steps")
+    ax_skip.set_ylabel("skipped steps (cumulative)")
     ax_skip.set_xlabel("global step")
     for ax in (ax_top, ax_skip):
         ax.grid(True, alpha=0.3)

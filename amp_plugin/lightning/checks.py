@@ -114,7 +114,9 @@ def check_half_weights(
     check_bool("AMPPrecision", "master_weights", master_weights)
     check_choice("AMPPrecision", "rounding", rounding, ROUNDINGS, "use 'stochastic' (or 'nearest').")
     check_int("AMPPrecision", "rounding_seed", rounding_seed, low=0)
-    keep = None if keep_fp32 is None else fp32_policy.check_module_classes(keep_fp32)
+    keep = None
+    if keep_fp32 is not None:
+        keep = fp32_policy.check_module_classes(keep_fp32, "AMPPrecision", "keep_fp32")
     true = precision.endswith("-true")
     if master_weights and true:
         fail("AMPPrecision", f"precision={precision!r}, master_weights=True",

@@ -67,7 +67,7 @@ class AMPPrecision(MixedPrecision):
         hint = "the '-true' precisions are the Trainer plugin's: use Fabric(precision='bf16-true')."
         check_choice("AMPPrecision (Fabric)", "precision", precision, allowed, hint)
         self.kernels = check_backend(kernels)
-        self.fp32_modules = fp32_policy.check_module_classes(fp32_modules)
+        self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
         self.requested = precision
         fallback = "cuda" if torch.cuda.is_available() else "cpu"
         self.device, self.dtype, self.precision = checks.resolve_settings(  # type: ignore[assignment]

@@ -51,7 +51,7 @@ class LossScaleMonitor(Callback):
     Logged through every logger the Trainer has, on the steps Lightning logs
     (``log_every_n_steps``): ``amp/scale`` (fp16 only), ``amp/skipped_steps``, ``amp/skip_rate``
     (over the last ``window`` steps), ``amp/grad_norm`` (unscaled, before clipping) and, with
-    ``gradient_clip_val`` set, ``amp/grad_norm_clipped``. The same values are in
+    norm clipping (``gradient_clip_val``, not by value), ``amp/grad_norm_clipped``. The same values are in
     ``trainer.callback_metrics`` on every rank (as float64 tensors), refreshed also at each
     epoch's end and before each validation, so ``EarlyStopping(monitor="amp/skip_rate")`` and
     ``ModelCheckpoint(monitor="amp/scale", mode="max")`` work. Health changes (see
@@ -69,8 +69,9 @@ class LossScaleMonitor(Callback):
         max_skip_rate: skip rate over a window above which the run is pathological.
         on_pathological: ``"warn"`` (default) or ``"raise"``.
         trace_nonfinite: hook every submodule to name where inf/NaN first appear (costly).
-        plot_path: write a PNG of the scale and skipped steps there at the end of fit
-            (needs matplotlib: ``pip install 'amp_plugin[examples]'``).
+        plot_path: write a PNG of the scale and skipped steps there at the end of fit, and say
+            where (needs matplotlib); ``(step, label)`` pairs appended to ``monitor.plot_events``
+            (an injected fault) are marked on it.
 
     Example:
         >>> monitor = LossScaleMonitor(max_consecutive_skips=5, on_pathological="raise")
@@ -95,6 +96,7 @@ class LossScaleMonitor(Callback):
         self.on_pathological = on_pathological
         self.trace_nonfinite = trace_nonfinite
         self.plot_path = None if plot_path is None else Path(plot_path)
+        self.plot_events: list[tuple[int, str]] = []
         self._records: list[ScaleRecord] = []
         self._plugin: AMPPrecision | None = None
         self._tracer: diagnostics.NonFiniteTracer | None = None
@@ -379,7 +381,8 @@ class LossScaleMonitor(Callback):
         if self.plot_path is None or not trainer.is_global_zero:
             return
         try:
-            plot_history(self._records, self.plot_path, self._health)
+            plot_history(self._records, self.plot_path, self._health, self.plot_events)
+            rank_zero_info(f"LossScaleMonitor: plot of the loss scale and skips written to {self.plot_path}")
         except Exception as err:  # the run is over; a failed picture must not turn it into a failure
             rank_zero_warn(f"LossScaleMonitor could not write the plot to {self.plot_path}: {err!r}")
 

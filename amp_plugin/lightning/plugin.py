@@ -103,7 +103,7 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip)
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
         self.kernels = check_backend(kernels)
-        self.fp32_modules = fp32_policy.check_module_classes(fp32_modules)
+        self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
         self.fp32_functions = fp32_policy.check_functions(fp32_functions, "AMPPrecision", "fp32_functions")
         self.clip_fused = clip_fused
         self.lr_on_skip = lr_on_skip

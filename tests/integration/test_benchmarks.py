@@ -34,6 +34,13 @@ def test_every_benchmark_has_a_smoke_run() -> None:
     assert scripts == set(SMOKE_ARGS)
 
 
+def test_every_benchmark_has_a_readme_section_and_takes_quick() -> None:
+    readme = (BENCHMARKS / "README.md").read_text()
+    for script in SMOKE_ARGS:
+        assert f"## `{script}`" in readme, f"benchmarks/README.md has no section for {script}"
+        assert "--quick" in SMOKE_ARGS[script]
+
+
 @pytest.mark.parametrize("script", sorted(SMOKE_ARGS))
 def test_benchmark_smoke_run(script: str, tmp_path: Path) -> None:
     out = tmp_path / "result.json"

@@ -68,7 +68,7 @@ def _loader() -> DataLoader:
 
 
 def _trainer(plugin: AMPPrecision, root: Path, max_steps: int) -> Trainer:
-    # ddp_spawn sends no loop or scaler state back to this process (RESEARCH trap 15), so the
+    # ddp_spawn sends no loop or scaler state back to this process (Lightning 2.6), so the
     # checkpoint is written inside the workers.
     return Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=max_steps, plugins=[plugin],

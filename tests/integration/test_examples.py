@@ -11,11 +11,13 @@ from pathlib import Path
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _run(script: str, *args: str, cwd: Path) -> str:
+def _run(script: str, *args: str, cwd: Path, omp_threads: str | None = "1") -> str:
     env = dict(os.environ)
     # One intra-op thread: next to other test processes, a second OpenMP thread that waits for a
     # core makes every op wait a scheduler slice, and a 4 s run takes a minute.
-    env["OMP_NUM_THREADS"] = "1"
+    env.pop("OMP_NUM_THREADS", None)
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = omp_threads
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--smoke", *args],
         cwd=cwd,  # the CSV logs land under cwd/runs
@@ -45,10 +47,22 @@ def test_quickstart_auto_picks_bf16_on_cpu(tmp_path: Path) -> None:
     assert _summary_value(out, "precision").startswith("bf16-mixed  (auto: bf16: CPU autocast supports bf16)")
     assert _summary_value(out, "loss scaling").startswith("no loss scaling needed for bf16")
     assert float(_summary_value(out, "throughput").split()[0]) > 0
-    assert _summary_value(out, "model").endswith("12 steps")
+    model = _summary_value(out, "model")
+    assert model.startswith("MajorityTransformer (2 encoder layers, d_model 64), 0.07M")
+    assert _summary_value(out, "data").startswith("512 sequences of 32 tokens over 8 symbols")
+    assert _summary_value(out, "training").startswith("12 steps of batch 32")
     # Even 12 steps of the small smoke model beat chance (12.5%) by a margin.
     assert float(_summary_value(out, "val accuracy").split("%")[0]) > 25
     assert (tmp_path / "runs" / "quickstart" / "version_0" / "metrics.csv").is_file()
+
+
+def test_quickstart_pins_its_threads_and_compares_with_fp32(tmp_path: Path) -> None:
+    # Without OMP_NUM_THREADS torch would take one thread per core; the quickstart pins its own.
+    out = _run("quickstart.py", "--accelerator", "cpu", cwd=tmp_path, omp_threads=None)
+    assert _summary_value(out, "device").startswith("cpu (1 intra-op thread, 1 inter-op thread")
+    fp32 = _summary_value(out, "vs fp32")  # "AMPPrecision 0.62x fp32 (1130 against 1830 samples/s ...)"
+    assert fp32.startswith("bf16-mixed ") and "x fp32 (" in fp32
+    assert float(fp32.split()[1].rstrip("x")) > 0
 
 
 def test_quickstart_fp16_reports_the_scaler(tmp_path: Path) -> None:
@@ -59,7 +73,10 @@ def test_quickstart_fp16_reports_the_scaler(tmp_path: Path) -> None:
 
 
 def test_fp16_scaler_shows_warmup_growth_and_the_injected_overflow(tmp_path: Path) -> None:
-    out = _run("fp16_scaler.py", cwd=tmp_path)
+    out = _run("fp16_scaler.py", "--plot", "runs/scale.png", cwd=tmp_path)
+    assert _summary_value(out, "plot").startswith("runs/scale.png (")
+    assert "plot of the loss scale and skips written to runs/scale.png" in out
+    assert (tmp_path / "runs" / "scale.png").stat().st_size > 0
     assert "fp16 gradients overflowed: step skipped, scale x0.5" in out  # warm-up back-off from 2**16
     assert "clean steps in a row: scale x2" in out
     assert "loss is inf/NaN (fp16 forward overflowed): step skipped" in out  # the smoke run injects at 45

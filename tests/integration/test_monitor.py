@@ -123,10 +123,15 @@ def said(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
-def test_csv_series_match_the_scalers_history(tmp_path: Path, clip: float | None) -> None:
+def test_csv_series_match_the_scalers_history(
+    tmp_path: Path, clip: float | None, said: pytest.LogCaptureFixture
+) -> None:
     module, logger = Probe(), CSVLogger(tmp_path)
     monitor = LossScaleMonitor(warmup_steps=5, window=10, max_skip_rate=0.2, plot_path=tmp_path / "scale.png")
+    monitor.plot_events.append((POISON[0], "poisoned batch"))
     trainer = _fit(module, monitor, logger=logger, log_every_n_steps=3, gradient_clip_val=clip)
+    assert f"plot of the loss scale and skips written to {tmp_path / 'scale.png'}" in said.text
+    assert (tmp_path / "scale.png").stat().st_size > 0
     assert trainer.precision_plugin._fast_clip  # the monitor does not look between backward and step
     rows = [r for r in _rows(logger) if "amp/scale" in r]
     assert [int(r["step"]) for r in rows] == list(range(2, 30, 3))  # log_every_n_steps respected

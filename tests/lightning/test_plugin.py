@@ -156,9 +156,12 @@ def test_bad_arguments_raise_clearly(kwargs: dict[str, Any], error: type[Excepti
         AMPPrecision(**kwargs)
 
 
-def test_a_bare_fp32_module_class_gets_our_message() -> None:
-    with pytest.raises(TypeError, match=r"classes=<class .*LayerNorm'>; allowed: a tuple .*HINT"):
+def test_a_bare_fp32_module_class_gets_our_message_naming_the_argument() -> None:
+    match = r"^AMPPrecision\(fp32_modules=<class .*LayerNorm'>\) is not allowed: a tuple .*HINT: wrap"
+    with pytest.raises(TypeError, match=match):
         AMPPrecision("bf16-mixed", fp32_modules=nn.LayerNorm)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^AMPPrecision\(keep_fp32=<class .*LayerNorm'>\) is not allowed"):
+        AMPPrecision("bf16-true", keep_fp32=nn.LayerNorm)  # type: ignore[arg-type]
 
 
 def test_fp32_functions_are_validated_once_and_entered_only_inside_forward_context() -> None:
