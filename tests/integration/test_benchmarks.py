@@ -6,32 +6,38 @@ each script still runs against the current package and reports in its documented
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-SMOKE_ARGS = {
-    "step_overhead.py": ["--quick", "--repeats", "2"],
-    "training_speed.py": ["--quick", "--models", "tiny", "tiny-hooks", "--rounds", "1", "--tiny-steps", "10"],
-    "monitor_overhead.py": ["--quick"],
-    "ddp_overhead.py": ["--quick"],
-    "fsdp_overhead.py": ["--quick"],
-    "memory.py": ["--quick", "--repeats", "1", "--steps", "1"],
-    "numerics_speed.py": ["--quick"],
-    "fp32_functions.py": ["--quick"],
-    "compile_speed.py": ["--quick", "--setups", "bf16", "fp16"],
-    "fabric_speed.py": ["--quick", "--models", "tiny", "--rounds", "1", "--steps", "2"],
-}
 
 
-def test_every_benchmark_has_a_smoke_run() -> None:
-    scripts = {p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")}
-    assert scripts == set(SMOKE_ARGS)
+def _load_report() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("benchmark_report", BENCHMARKS / "report.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REPORT = _load_report()
+# The smoke arguments live in report.py, whose --quick runs them too: one list to keep up to date.
+SMOKE_ARGS: dict[str, list[str]] = {script: args.split() for script, args in REPORT.QUICK_ARGS.items()}
+
+
+def test_every_benchmark_has_a_smoke_run_and_a_report_size() -> None:
+    # report.py runs the others (its own smoke run is test_report_quick_run below).
+    scripts = {p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")} - {"report.py"}
+    assert set(REPORT.benchmarks()) == scripts
+    assert set(SMOKE_ARGS) == scripts
+    assert set(REPORT.SMALL_ARGS) == scripts
 
 
 def test_every_benchmark_has_a_readme_section_and_takes_quick() -> None:
@@ -59,3 +65,45 @@ def test_benchmark_smoke_run(script: str, tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["environment"]["torch"]
     assert Path(script).stem in str(result.get("benchmark", script))
+
+
+def test_report_quick_run(tmp_path: Path) -> None:
+    scripts = ["numerics_speed.py", "fp32_functions.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "report.py"),
+            "--quick",
+            "--out-dir",
+            str(tmp_path),
+            "--only",
+            *scripts,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = (tmp_path / "benchmarks.md").read_text()
+    for key in ("| CPU |", "| torch |", "| lightning |", "| Python |", "| date (UTC) |", "load average"):
+        assert key in report
+    for script in scripts:
+        name = Path(script).stem
+        section = report.split(f"## {name}\n", 1)[1].split("\n## ", 1)[0]
+        assert f"python benchmarks/{script} --quick" in section
+        assert "| --- |" in section  # a Markdown table of its results
+        assert f"](img/benchmarks/{name}.png)" in section
+        assert (tmp_path / "img" / "benchmarks" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_lists_a_failing_benchmark_and_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(REPORT.QUICK_ARGS, "numerics_speed.py", "--quick --size not-a-number")
+    monkeypatch.chdir(tmp_path)
+    assert REPORT.main(["--quick", "--out-dir", str(tmp_path), "--only", "numerics_speed.py"]) == 1
+    report = (tmp_path / "benchmarks.md").read_text()
+    assert "**Failed**: numerics_speed.py" in report
+    assert "exit code 2" in report

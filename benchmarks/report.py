@@ -1,0 +1,229 @@
+"""Run every benchmark at a small size and write a Markdown report with PNG plots.
+
+    python benchmarks/report.py                       # docs/benchmarks.md + docs/img/benchmarks/*.png
+    python benchmarks/report.py --quick --out-dir /tmp/report --only memory.py
+
+Every ``benchmarks/*.py`` except this script and ``_``-prefixed helpers is run as a subprocess
+with its ``SMALL_ARGS`` (sizes chosen so the ratios mean something while the whole report
+takes about ten minutes on 2 cores) or, with ``--quick``, its ``QUICK_ARGS`` (the smoke runs of
+tests/integration/test_benchmarks.py: numbers that mean nothing). A benchmark missing from the
+tables runs with ``--quick`` alone. Each writes its JSON, whose headline numbers become a table
+and a bar chart (``_report_tables.py``). The header records the machine, the library versions,
+the date, the load average and the command. A benchmark that fails is listed as failed, the
+others are still reported, and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+QUICK_ARGS: dict[str, str] = {
+    "step_overhead.py": "--quick --repeats 2",
+    "training_speed.py": "--quick --models tiny tiny-hooks --rounds 1 --tiny-steps 10",
+    "monitor_overhead.py": "--quick",
+    "ddp_overhead.py": "--quick",
+    "fsdp_overhead.py": "--quick",
+    "memory.py": "--quick --repeats 1 --steps 1",
+    "numerics_speed.py": "--quick",
+    "fp32_functions.py": "--quick",
+    "compile_speed.py": "--quick --setups bf16 fp16",
+    "fabric_speed.py": "--quick --models tiny --rounds 1 --steps 2",
+}
+# Sizes for about ten minutes on a busy 2-core machine.
+SMALL_ARGS: dict[str, str] = {
+    "step_overhead.py": "--params 50000000 --repeats 15 --threads 1",
+    "training_speed.py": "--rounds 5 --steps 20 --tiny-steps 200 --threads 1",
+    "monitor_overhead.py": "--steps 30",
+    "ddp_overhead.py": "--repeats 15",
+    "fsdp_overhead.py": "--repeats 10",
+    "memory.py": "--threads 1",
+    "numerics_speed.py": "",
+    "fp32_functions.py": "--repeats 25",
+    "compile_speed.py": "--rounds 3",
+    "fabric_speed.py": "--rounds 11",
+}
+
+
+def benchmarks() -> list[str]:
+    """The benchmark scripts: every ``benchmarks/*.py`` but this one and the ``_`` helpers."""
+    return sorted(
+        p.name for p in HERE.glob("*.py") if not p.name.startswith("_") and p.name != Path(__file__).name
+    )
+
+
+def machine() -> dict[str, str]:
+    """The CPU model and core counts, library versions, date and load average, as table rows."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")), ""
+    )
+    cores, block = set(), {}
+    for line in [*cpuinfo.splitlines(), ""]:
+        if ":" in line:
+            key, value = (s.strip() for s in line.split(":", 1))
+            block[key] = value
+        elif block:
+            cores.add((block.get("physical id"), block.get("core id")))
+            block = {}
+    threads = os.cpu_count() or 0
+    physical = len(cores) if cores and (None, None) not in cores else threads
+    versions = {}
+    for dist in ("torch", "lightning", "amp_plugin", "matplotlib"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = "not installed"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+    return {
+        "CPU": model or platform.processor() or platform.machine(),
+        "cores / hardware threads": f"{physical} / {threads}",
+        "OS": platform.platform(),
+        "Python": platform.python_version(),
+        **{name: version for name, version in versions.items()},
+        "date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "OMP_NUM_THREADS for the benchmarks": os.environ.get("OMP_NUM_THREADS", "1"),
+        "load average (1, 5, 15 min) at the start": load,
+    }
+
+
+def describe(script: str) -> str:
+    """The first line of a script's docstring."""
+    doc = ast.get_docstring(ast.parse((HERE / script).read_text())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def run_one(script: str, args: list[str], workdir: Path, timeout: float) -> tuple[dict | None, str, float]:
+    """Run one benchmark; returns its JSON (None on failure), the tail of its output and seconds."""
+    out = workdir / f"{Path(script).stem}.json"
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # One intra-op thread unless the caller set OMP_NUM_THREADS (a script's --threads still wins):
+    # on a shared machine a parallel op waits for whichever of its threads was preempted.
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": pythonpath}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(HERE / script), *args, "--json", str(out)],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s", time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+    if proc.returncode != 0 or not out.exists():
+        return None, f"exit code {proc.returncode}: " + " / ".join(tail), seconds
+    return json.loads(out.read_text()), "", seconds
+
+
+def section(script: str, args: list[str], payload: dict, seconds: float, img_dir: Path) -> str:
+    """One benchmark's Markdown: what it measures, the command, its tables and its plot."""
+    import _report_tables as tables
+
+    name = Path(script).stem
+    summary = tables.summarize(name, payload)
+    parts = [
+        f"## {name}",
+        "",
+        describe(script),
+        "",
+        f"`{' '.join(['python', f'benchmarks/{script}', *args])}` ({seconds:.0f} s)",
+        "",
+    ]
+    for table in summary.tables:
+        parts += [tables.markdown(table), ""]
+    if summary.bars is not None:
+        tables.plot(summary.bars, img_dir / f"{name}.png")
+        parts += [f"![{name}: {summary.bars.title}](img/benchmarks/{name}.png)", ""]
+    return "\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--quick", action="store_true", help="the smoke arguments: checks the report, not the code"
+    )
+    parser.add_argument(
+        "--out-dir", type=Path, default=ROOT / "docs", help="where benchmarks.md goes (default docs/)"
+    )
+    parser.add_argument(
+        "--only", nargs="+", metavar="SCRIPT", help="run these benchmarks only (e.g. memory.py)"
+    )
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per benchmark (default 600)")
+    args = parser.parse_args(argv)
+    scripts = benchmarks()
+    unknown = sorted(set(args.only or []) - set(scripts))
+    if unknown:
+        parser.error(f"--only {' '.join(unknown)}: no such benchmark; choose from {', '.join(scripts)}")
+    scripts = [s for s in scripts if not args.only or s in args.only]
+    header = machine()
+    img_dir = args.out_dir / "img" / "benchmarks"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--out-dir" in given:  # where the report goes changes none of its numbers
+        del given[given.index("--out-dir") : given.index("--out-dir") + 2]
+    command = " ".join(["python benchmarks/report.py", *given])
+    sections, failed, start = [], [], time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for script in scripts:
+            table = QUICK_ARGS if args.quick else SMALL_ARGS
+            bench_args = table.get(script, "--quick").split()
+            print(f"running {script} {' '.join(bench_args)}", flush=True)
+            payload, error, seconds = run_one(script, bench_args, Path(tmp), args.timeout)
+            if payload is None:
+                print(f"  FAILED: {error}", flush=True)
+                failed.append(script)
+                sections.append(f"## {Path(script).stem}\n\n**Failed** ({seconds:.0f} s): {error}\n")
+                continue
+            try:
+                sections.append(section(script, bench_args, payload, seconds, img_dir))
+            except (KeyError, TypeError, ValueError) as exc:  # its JSON lacks what the summary reads
+                failed.append(script)
+                sections.append(
+                    f"## {Path(script).stem}\n\n**Failed**: its JSON could not be summarized: {exc!r}\n"
+                )
+    total = time.perf_counter() - start
+    header["load average (1, 5, 15 min) at the end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    rows = "\n".join(f"| {key} | {value} |" for key, value in header.items())
+    intro = [
+        "# Benchmark report",
+        "",
+        f"Written by `{command}` in {total / 60:.1f} minutes. Every benchmark ran once, as a subprocess, "
+        "with the arguments shown under its name (sizes picked so that the whole report takes minutes; "
+        "each script's docstring and `--help` give its full sizes and what its numbers mean). Ratios "
+        "compare cases timed in the same run, interleaved; absolute times depend on the machine and on "
+        "how busy it was: a load average above the number of cores means other jobs competed for the CPU.",
+        "",
+        "| machine | |",
+        "|---|---|",
+        rows,
+        "",
+    ]
+    if args.quick:
+        intro += ["**Quick run**: smoke sizes, the numbers mean nothing.", ""]
+    if failed:
+        intro += [f"**Failed**: {', '.join(failed)} (see their sections).", ""]
+    report = args.out_dir / "benchmarks.md"
+    report.write_text("\n".join([*intro, *sections]).rstrip() + "\n")
+    print(f"wrote {report} ({len(scripts) - len(failed)} of {len(scripts)} benchmarks) in {total:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
