@@ -266,8 +266,13 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
         self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
         self._stepped_since_backward.clear()
-        # torch runs backward best with autocast off; manual_backward sits inside training_step's region.
-        with torch.autocast(self.device or "cpu", enabled=False):
+        # torch runs backward best with autocast off; manual_backward sits inside training_step's region
+        # (automatic optimization calls backward outside it, where there is nothing to turn off).
+        device = self.device or "cpu"
+        if not torch.is_autocast_enabled(device):
+            Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+            return
+        with torch.autocast(device, enabled=False):
             Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
 
     @override
