@@ -4,7 +4,11 @@
   ``Examples:`` and would render the session as prose (its ``[...]`` outputs even as links).
   Renamed, the session becomes a highlighted ``pycon`` block.
 * Sphinx roles such as ``:class:`~amp_plugin.LossScaler``` would show as raw text; they become
-  code spans (``LossScaler``, the last part where the target starts with ``~``).
+  code spans that link to the object's entry where the reference documents it (an optional
+  autorefs link: a target outside the reference, ``torch.xxx`` say, stays plain code). A name
+  is looked up in the class, the enclosing class, then the module of the docstring; ``~``
+  shows the last part.
+* A reST literal-block marker (a line ending ``::``) becomes a single colon.
 
 Only the text griffe loaded changes; the source is not touched.
 """
@@ -12,21 +16,42 @@ Only the text griffe loaded changes; the source is not touched.
 from __future__ import annotations
 
 import re
+from html import escape
 from typing import Any
 
 import griffe
 
 _HEADER = re.compile(r"^(\s*)Example:[ \t]*$", re.M)
-_ROLE = re.compile(r":(?:py:)?[a-z]+:`(~?)([^`<]+)`")
+_ROLE = re.compile(r":(?:py:)?(?P<role>[a-z]+):`(?P<tilde>~?)(?P<target>[^`<]+)`")
+_LITERAL_MARKER = re.compile(r"(\S)::[ \t]*$", re.M)
 
 
-def _code_span(match: re.Match[str]) -> str:
-    target = match.group(2).strip()
-    return f"`{target.rsplit('.', 1)[-1] if match.group(1) else target}`"
+def _identifier(role: str, target: str, obj: griffe.Object) -> str:
+    """The full path a role's target names, seen from the docstring of ``obj``."""
+    if role == "mod" or target.startswith("amp_plugin"):
+        return target
+    head = target.split(".", 1)[0]
+    scopes = [obj] if obj.is_class else []
+    if obj.parent is not None and obj.parent.is_class:
+        scopes.append(obj.parent)
+    scopes.append(obj.module)
+    for scope in scopes:
+        if head in scope.members:
+            return f"{scope.path}.{target}"
+    return target
+
+
+def _link(match: re.Match[str], obj: griffe.Object) -> str:
+    target = match["target"].strip().removesuffix("()")
+    shown = target.rsplit(".", 1)[-1] if match["tilde"] else target
+    identifier = escape(_identifier(match["role"], target, obj))
+    return f'<autoref identifier="{identifier}" optional><code>{escape(shown)}</code></autoref>'
 
 
 class SiteDocstrings(griffe.Extension):
-    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
-        if obj.docstring is not None:
-            text = _HEADER.sub(r"\1Examples:", obj.docstring.value)
-            obj.docstring.value = _ROLE.sub(_code_span, text)
+    def on_object(self, *, obj: griffe.Object, **kwargs: Any) -> None:  # the tree is complete here
+        if obj.docstring is None:
+            return
+        text = _HEADER.sub(r"\1Examples:", obj.docstring.value)
+        text = _LITERAL_MARKER.sub(r"\1:", text)
+        obj.docstring.value = _ROLE.sub(lambda m: _link(m, obj), text)

@@ -49,7 +49,9 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     assert 'id="amp_plugin.scaler.LossScaler"' in scaler
     # the docstrings' "Example:" sessions render as highlighted code, not as prose
     assert scaler.count('<span class="gp">&gt;&gt;&gt; </span>') > 10
+    # Sphinx roles become links to the objects' entries
     assert ":class:" not in scaler and ":func:" not in scaler
+    assert 'class="autorefs autorefs-internal"' in scaler
 
 
 def test_every_docs_page_is_in_the_nav() -> None:
