@@ -9,6 +9,8 @@
   is looked up in the class, the enclosing class, then the module of the docstring; ``~``
   shows the last part.
 * A reST literal-block marker (a line ending ``::``) becomes a single colon.
+* A name a module re-exports (``amp_plugin.autocast`` re-exports ``Fp32Modules``, say) is
+  documented once, in its home module; the re-export is not shown again.
 
 Only the text griffe loaded changes; the source is not touched.
 """
@@ -55,3 +57,13 @@ class SiteDocstrings(griffe.Extension):
         text = _HEADER.sub(r"\1Examples:", obj.docstring.value)
         text = _LITERAL_MARKER.sub(r"\1:", text)
         obj.docstring.value = _ROLE.sub(lambda m: _link(m, obj), text)
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        modules = [pkg]
+        while modules:
+            module = modules.pop()
+            for member in module.members.values():
+                if member.is_alias:
+                    member.public = False
+                elif member.is_module:
+                    modules.append(member)
