@@ -31,16 +31,19 @@ _LITERAL_MARKER = re.compile(r"(\S)::[ \t]*$", re.M)
 def _identifier(role: str, target: str, obj: griffe.Object) -> str:
     """The full path a role's target names, seen from the docstring of ``obj``."""
     if role == "mod" or target.startswith("amp_plugin"):
-        return target
-    head = target.split(".", 1)[0]
-    scopes = [obj] if obj.is_class else []
-    if obj.parent is not None and obj.parent.is_class:
-        scopes.append(obj.parent)
-    scopes.append(obj.module)
-    for scope in scopes:
-        if head in scope.members:
-            return f"{scope.path}.{target}"
-    return target
+        path = target
+    else:
+        head = target.split(".", 1)[0]
+        scopes = [obj] if obj.is_class else []
+        if obj.parent is not None and obj.parent.is_class:
+            scopes.append(obj.parent)
+        scopes.append(obj.module)
+        path = next((f"{s.path}.{target}" for s in scopes if head in s.members), target)
+    try:  # a re-export: name its home, where the entry is
+        found = obj.modules_collection[path]
+        return str(found.final_target.path if found.is_alias else found.path)
+    except (KeyError, ValueError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+        return path
 
 
 def _link(match: re.Match[str], obj: griffe.Object) -> str:
