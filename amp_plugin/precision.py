@@ -27,6 +27,7 @@ __all__ = [
 
 Precision = Literal["16-mixed", "bf16-mixed", "auto", "16-true", "bf16-true", "32-true"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+"""Every precision string ``AMPPrecision`` accepts, in the order of the ``Precision`` type."""
 
 _DTYPES = {
     "16-mixed": torch.float16,

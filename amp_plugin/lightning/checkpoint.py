@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 CHECKPOINT_KEY = "amp_plugin"
+"""The checkpoint key of ``AMPPrecision``'s entry: its precision, the scaler state, the rounding state."""
 # Where Lightning's MixedPrecision keeps its GradScaler state: its class name, and the pre-2.0 key.
 _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 
