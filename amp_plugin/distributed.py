@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,6 @@ from torch import Tensor
 
 from amp_plugin._validation import check_choice, fail
 from amp_plugin.kernels import Kernels
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "GlobalNormKernels",

@@ -106,18 +106,14 @@ class DynamicScale:
     def update_(self, found_inf: Tensor) -> None:
         """Close an iteration whose combined inf flag is ``found_inf`` (> 0: its steps were skipped)."""
         scale = self._require()
-        if self._clean_on_cpu(scale, found_inf):
-            # No overflow and a scale at or above the floor: the floor and skip bookkeeping below
-            # would change nothing, so only the growth step and the max_scale bound run.
-            torch._amp_update_scale_(
-                scale, self.growth_tracker, found_inf, self.growth_factor, self.backoff_factor,
-                self.growth_interval,
-            )  # fmt: skip
-            scale.clamp_(self.floor, self.max_scale)
+        # A clean CPU step (no overflow, scale at or above the floor) needs neither the floor
+        # bookkeeping nor the skip count: reading CPU tensors to know that costs no device sync.
+        clean = self._clean_on_cpu(scale, found_inf)
+        if self.dynamic:
+            self._move(scale, found_inf, track_floor=not clean)
+        if clean:
             self.last_inf.zero_()
         else:
-            if self.dynamic:
-                self._move(scale, found_inf)
             torch.gt(found_inf, 0, out=self.last_inf)  # one op where copy_(found_inf > 0) takes two
             self.skipped += self.last_inf
         self.total_steps += 1
@@ -227,7 +223,7 @@ class DynamicScale:
             and self.hysteresis == 1 and not found_inf.item() and scale.item() >= self.floor
         )  # fmt: skip
 
-    def _move(self, scale: Tensor, found_inf: Tensor) -> None:
+    def _move(self, scale: Tensor, found_inf: Tensor, track_floor: bool = True) -> None:
         growth = self.growth_tracker
         args = (self.growth_factor, self.backoff_factor, self.growth_interval)
         if self.hysteresis == 1:
@@ -244,7 +240,8 @@ class DynamicScale:
             scale.copy_(torch.where(held, before, scale))
             growth.masked_fill_(held, 0)
         # The floor changes nothing while the scale is a normal fp32 number above min_scale.
-        self.floor_step.masked_fill_((scale < self.floor) & (self.floor_step < 0), self.total_steps)
+        if track_floor:
+            self.floor_step.masked_fill_((scale < self.floor) & (self.floor_step < 0), self.total_steps)
         scale.clamp_(self.floor, self.max_scale)
 
 
