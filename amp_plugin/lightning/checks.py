@@ -23,10 +23,12 @@ from amp_plugin.precision import check_precision
 from amp_plugin.scaler import LossScaler
 
 __all__ = [
+    "LBFGS_REFUSAL",
     "check_arguments",
     "check_fit_start",
     "check_half_weights",
     "hooks_observe_gradients",
+    "is_lbfgs",
     "lightning_module",
     "module_device",
     "resolve_settings",
@@ -135,6 +137,22 @@ def check_half_weights(
     return keep
 
 
+LBFGS_REFUSAL = (
+    "AMPPrecision('16-mixed') cannot drive LBFGS: it evaluates its closure several times per step, "
+    "which loss scaling cannot skip safely. HINT: use precision='bf16-mixed' or another optimizer."
+)
+
+
+def is_lbfgs(optimizer: object) -> bool:
+    """Whether ``optimizer`` (or the optimizer a Lightning wrapper holds) is ``LBFGS``.
+
+    Example:
+        >>> is_lbfgs(torch.optim.LBFGS([torch.zeros(1, requires_grad=True)]))
+        True
+    """
+    return isinstance(unwrap_optimizer(optimizer), LBFGS)
+
+
 def check_fit_start(
     model: nn.Module,
     optimizers: list[Optimizer],
@@ -160,12 +178,8 @@ def check_fit_start(
         ...
         ValueError: AMPPrecision('16-mixed') cannot drive LBFGS: ... HINT: use precision='bf16-mixed' ...
     """
-    if grad_scaling and any(isinstance(unwrap_optimizer(o), LBFGS) for o in optimizers):
-        raise ValueError(
-            "AMPPrecision('16-mixed') cannot drive LBFGS: it evaluates its closure several times per "
-            "step, which loss scaling cannot skip safely. HINT: use precision='bf16-mixed' or another "
-            "optimizer."
-        )
+    if grad_scaling and any(is_lbfgs(o) for o in optimizers):
+        raise ValueError(LBFGS_REFUSAL)
     if dtype == torch.float32:
         return  # "32-true": no autocast, nothing mixed to check
     if weights == "half" and dtype == torch.float16:

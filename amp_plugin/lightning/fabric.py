@@ -16,14 +16,13 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from torch import nn
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin import fp32_policy
 from amp_plugin._validation import check_choice
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import checks
-from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.scaler import LossScaler
 
 __all__ = ["AMPPrecision"]
@@ -99,12 +98,8 @@ class AMPPrecision(MixedPrecision):
         scaler = self.scaler
         if scaler is None:
             return Precision.optimizer_step(self, optimizer, **kwargs)
-        if isinstance(unwrap_optimizer(optimizer), LBFGS):
-            raise TypeError(
-                "AMPPrecision('16-mixed') cannot drive LBFGS: it evaluates its closure several times per "
-                "step, which loss scaling cannot skip safely. HINT: use precision='bf16-mixed' or another "
-                "optimizer."
-            )
+        if checks.is_lbfgs(optimizer):
+            raise TypeError(checks.LBFGS_REFUSAL)
         result = scaler.step(optimizer, **kwargs)
         scaler.update()
         return result
