@@ -105,6 +105,8 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
         self.kernels = check_backend(kernels)
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
         self.fp32_functions = fp32_policy.check_functions(fp32_functions, "AMPPrecision", "fp32_functions")
+        # Built once (it checks the functions and probes the autocast device types); entered per forward.
+        self._fp32_mode = fp32_policy.Fp32Functions(self.fp32_functions) if self.fp32_functions else None
         self.clip_fused = clip_fused
         self.lr_on_skip = lr_on_skip
         self.master_weights = master_weights
@@ -234,10 +236,10 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
     def forward_context(self) -> Generator[None, None, None]:
         """Autocast for every step (training, validation, test, predict); inside it, the fp32 functions."""
         with self.autocast_context_manager():
-            if not self.fp32_functions or self.dtype == torch.float32:
+            if self._fp32_mode is None or self.dtype == torch.float32:
                 yield
                 return
-            with fp32_policy.Fp32Functions(self.fp32_functions):
+            with self._fp32_mode:
                 yield
 
     @override
