@@ -166,3 +166,13 @@ def init_gloo(rank: int, port: int, world: int) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
+
+
+def leave_gloo() -> None:
+    """Leave the process group together: a rank that tears gloo down while another still talks
+    to it can abort ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -29,7 +29,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import Case, environment, format_table, init_gloo, measure, median_ms, write_json
+from _common import Case, environment, format_table, init_gloo, leave_gloo, measure, median_ms, write_json
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -131,7 +131,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             }
             Path(out).write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        leave_gloo()
 
 
 def _free_port() -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import Case, environment, format_table, init_gloo, measure, median_ms, write_json
+from _common import Case, environment, format_table, init_gloo, leave_gloo, measure, median_ms, write_json
 from ddp_overhead import (
     TinyLM,
     _count_scaler_collectives,
@@ -103,7 +103,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             }
             Path(out).write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        leave_gloo()
 
 
 def main() -> None:

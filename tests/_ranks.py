@@ -22,3 +22,10 @@ def run_ranks(worker: Callable[[int, str, str], None], root: Path, world: int) -
         pytest.skip("this torch build has no torch.distributed")
     mp.spawn(worker, args=(str(root / "store"), str(root)), nprocs=world)
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def leave_group() -> None:
+    """Barrier, then tear the group down: a rank leaving early can make gloo abort another at exit."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -38,6 +38,7 @@ from amp_plugin.distributed import (
     sync_enabled,
 )
 from amp_plugin.kernels import get_kernels
+from tests._ranks import leave_group
 
 WORLD = 2
 SCALE = 2.0**10
@@ -238,7 +239,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def _free_port() -> int:

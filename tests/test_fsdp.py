@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from amp_plugin import LossScaler
-from tests._ranks import run_ranks
+from tests._ranks import leave_group, run_ranks
 
 WORLD, STEPS, POISON_STEP, MAX_NORM = 2, 6, 2, 0.5
 CASES = {  # name: (AdamW options, sync_found_inf, clip)
@@ -106,7 +106,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         placements = [str(p) for p in model[2].weight.placements]
         results["hsdp"] = {**_train(model, "foreach", rank), "placements": placements}
     finally:
-        dist.destroy_process_group()
+        leave_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 

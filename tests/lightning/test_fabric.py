@@ -15,6 +15,7 @@ from torch import nn
 
 from amp_plugin import LossScaler
 from amp_plugin.fabric import AMPPrecision
+from tests._ranks import leave_group
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*emulates.*")
 
@@ -200,8 +201,7 @@ def _ddp_worker(fabric: Fabric, out_dir: str) -> None:
     equal, finite = all(torch.equal(gathered[0], g) for g in gathered), bool(torch.isfinite(flat).all())
     result = {"skipped": plugin.scaler.skipped_steps, "equal": equal, "finite": finite}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    fabric.barrier()
-    dist.destroy_process_group()  # gloo's threads otherwise can abort the process at exit
+    leave_group()
 
 
 @pytest.mark.slow
