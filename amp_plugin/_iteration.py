@@ -34,6 +34,7 @@ class OptimizerState:
     found_inf: Tensor | None = None
     grad_scale: Tensor | None = None  # the factor the grads still carry once stage is UNSCALED
     synced: bool = False  # found_inf already agreed across ranks (all-reduced, or from a global norm)
+    skipped: bool | None = None  # found_inf as read on the host by a non-fused step(), else None
 
     def merge_inf(self, flag: Tensor, agreed: bool) -> None:
         """Fold a later inf check (``flag`` > 0: overflow) into this optimizer's flag.
@@ -84,6 +85,13 @@ class Iteration:
         for state in self.states.values():  # unscaled or clipped but never stepped: agree on it here
             agree(state)
         return [s.found_inf for s in self.states.values() if s.found_inf is not None] + self.retired
+
+    def skipped_on_host(self) -> bool | None:
+        """Whether any step of the iteration was skipped, if every step read its flag; else ``None``."""
+        states = self.states.values()
+        if self.retired or not states or any(s.skipped is None for s in states):
+            return None
+        return any(s.skipped for s in states)
 
     def rearm(self, key: int, agree: Callable[[OptimizerState], None]) -> None:
         """Let that optimizer run READY -> STEPPED again; its flag so far still counts for ``update()``."""

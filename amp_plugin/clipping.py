@@ -33,9 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["ClipResult", "UnscaledClipping", "clip_coefficient", "clip_grad_norm_", "gradients"]
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds the same to the norm
-# Gradient elements up to which recheck_ runs the fused x1 inf check rather than a norm: measured
-# on CPU, the fused check costs 9 us against 160 us on 5k elements and wins up to ~16M elements.
-_FUSED_CHECK_UP_TO = 2**24
 
 
 class ClipResult(NamedTuple):
@@ -84,6 +81,21 @@ def gradients(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
                 )
             grads.append(grad)
     return grads
+
+
+def nonfinite(kernels: Kernels, grads: Sequence[Tensor]) -> Tensor:
+    """``1.0`` where a gradient element is inf/NaN, else ``0.0`` (fp32, 0-dim): one read, no write.
+
+    The fp32 total norm is non-finite exactly when an element is (or when the norm itself
+    overflows fp32, above about 1.8e19, which counts as an overflow too).
+
+    Example:
+        >>> from amp_plugin.kernels import get_kernels
+        >>> nonfinite(get_kernels("torch"), [torch.tensor([1.0, float("inf")])])
+        tensor(1.)
+    """
+    norm = kernels.norm(grads)
+    return torch.isfinite(norm).logical_not_().float()
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
@@ -169,6 +181,7 @@ class UnscaledClipping:
     """
 
     _enabled: bool
+    _guard_only: bool
     process_group: Any
     _iteration: Iteration
     _policy: DynamicScale
@@ -271,22 +284,23 @@ class UnscaledClipping:
             )
         return state
 
-    def _carried_factor(self, opt: Any) -> Tensor:
-        """What still-scaled gradients carry: the scale, times a fused optimizer's preset ``grad_scale``."""
+    def _carried_factor(self, opt: Any) -> Tensor | None:
+        """What still-scaled gradients carry: the scale, times a fused optimizer's preset ``grad_scale``.
+
+        ``None`` for a guard (a static scale of 1) without a preset: nothing to divide by.
+        """
         scale = self._require_scale("clip")
+        if self._guard_only:
+            return getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
         preset = getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
         return scale if preset is None else scale * preset
 
     def recheck_(self, optimizer: Any) -> None:
         """Mark the step as overflowing if an unscaled gradient of ``optimizer`` is now inf/NaN.
 
-        For changes made after ``unscale_`` or a clip (hooks, penalties): one pass over the
-        gradients. Before ``unscale_`` there is nothing to do (``step`` checks the gradients
-        then). The flag is agreed across ranks again before the step.
-
-        Up to 2**24 elements the pass is the fused inf check of ``unscale_`` with a factor of 1
-        (the check torch's GradScaler runs for fused optimizers): one launch, where a norm
-        takes several small ones. Above that, a norm reads the gradients without writing them.
+        For changes made after ``unscale_`` or a clip (hooks, penalties): one read of the
+        gradients (their norm), no write. Before ``unscale_`` there is nothing to do (``step``
+        checks the gradients then). The flag is agreed across ranks again before the step.
         """
         if not self._enabled:
             return
@@ -298,10 +312,4 @@ class UnscaledClipping:
             raise RuntimeError(
                 "recheck_() was called after step() on this optimizer. HINT: recheck before step()."
             )
-        grads, found = gradients_to_unscale(opt), state.found_inf
-        if sum(g.numel() for g in grads) <= _FUSED_CHECK_UP_TO:  # x * 1 == x: values are unchanged
-            self._backend().unscale_(grads, torch.ones((), device=found.device), found)
-            state.synced = False
-        else:
-            norm = self._backend().norm(grads)  # non-finite exactly when a gradient is
-            state.merge_inf((~torch.isfinite(norm)).float(), agreed=False)
+        state.merge_inf(nonfinite(self._backend(), gradients_to_unscale(opt)), agreed=False)

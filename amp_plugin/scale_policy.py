@@ -20,7 +20,7 @@ from torch import Tensor
 from amp_plugin import _scaler_rules
 from amp_plugin._validation import check_bool, check_int, check_number
 
-__all__ = ["DynamicScale", "ScaleFloorWarning", "ScaleKnobs"]
+__all__ = ["STREAK_WARNING_AT", "DynamicScale", "ScaleFloorWarning", "ScaleKnobs", "SkipStreakWarning"]
 
 _FLOOR_CHECK_EVERY = 100  # updates between the host reads that look for a scale stuck at its floor
 _TRACKERS = ("growth_tracker", "hysteresis_tracker", "skipped", "last_inf", "floor_step")
@@ -43,6 +43,20 @@ class ScaleFloorWarning(RuntimeWarning):
         >>> [type(w.message).__name__ for w in caught]
         ['ScaleFloorWarning']
     """
+
+
+class SkipStreakWarning(RuntimeWarning):
+    """Many optimizer steps in a row were skipped for inf/NaN: no harm to the weights, but no training.
+
+    Said once per scaler (or guard), when :data:`STREAK_WARNING_AT` iterations in a row were
+    skipped (noticed at once where the step read the flag, else at the next check, every 100
+    updates), in every precision, with or without ``LossScaleMonitor``.
+    """
+
+
+#: Skipped iterations in a row that :class:`SkipStreakWarning` reports (fp16's warm-up from 2**16
+#: to a working scale takes well under 20).
+STREAK_WARNING_AT = 25
 
 
 class DynamicScale:
@@ -84,6 +98,11 @@ class DynamicScale:
         self.growth_tracker = self.hysteresis_tracker = self.skipped = torch.zeros(())
         self.last_inf = self.floor_step = torch.zeros(())
         self._floor_reported = False
+        self.report = True  # warn about a scale at its floor and long skip runs (unless a monitor does)
+        self._streak = self._longest = 0  # skipped iterations in a row (host-read flags), the longest run
+        self._streak_on_device: Tensor | None = None  # the same, where flags were not read (fused steps)
+        self._longest_on_device: Tensor | None = None
+        self._streak_reported = False
 
     @property
     def floor(self) -> float:
@@ -103,12 +122,15 @@ class DynamicScale:
         self.floor_step = torch.full((), -1, dtype=torch.int64, device=device)
         return self.scale
 
-    def update_(self, found_inf: Tensor) -> None:
-        """Close an iteration whose combined inf flag is ``found_inf`` (> 0: its steps were skipped)."""
+    def update_(self, found_inf: Tensor, skipped: bool | None = None) -> None:
+        """Close an iteration whose combined inf flag is ``found_inf`` (> 0: its steps were skipped).
+
+        ``skipped``: the same flag where the caller has already read it on the host (no read here).
+        """
         scale = self._require()
-        # A clean CPU step (no overflow, scale at or above the floor) needs neither the floor
-        # bookkeeping nor the skip count: reading CPU tensors to know that costs no device sync.
-        clean = self._clean_on_cpu(scale, found_inf)
+        # A step known clean on the host needs neither the floor bookkeeping (a clean step never
+        # lowers the scale, and every update leaves it at or above the floor) nor the skip count.
+        clean = skipped is False
         if self.dynamic:
             self._move(scale, found_inf, track_floor=not clean)
         if clean:
@@ -117,8 +139,43 @@ class DynamicScale:
             torch.gt(found_inf, 0, out=self.last_inf)  # one op where copy_(found_inf > 0) takes two
             self.skipped += self.last_inf
         self.total_steps += 1
+        self._count_streak(skipped)
         if self.total_steps % _FLOOR_CHECK_EVERY == 0:
             self.report_floor()
+            self._report_streak()
+
+    def _count_streak(self, skipped: bool | None) -> None:
+        """Skipped iterations in a row: on the host where the flag was read, else on the device."""
+        if skipped is not None:
+            self._streak = self._streak + 1 if skipped else 0
+            self._longest = max(self._longest, self._streak)
+            if self._streak == STREAK_WARNING_AT:
+                self._report_streak()
+            return
+        streak, longest = self._streak_on_device, self._longest_on_device
+        if streak is None or longest is None:
+            device = self.last_inf.device
+            streak = self._streak_on_device = torch.full((), self._streak, dtype=torch.int64, device=device)
+            longest = self._longest_on_device = torch.full_like(streak, self._longest)
+        streak.add_(1).mul_(self.last_inf)
+        torch.maximum(longest, streak, out=longest)
+
+    def _report_streak(self) -> None:
+        """Warn once (:class:`SkipStreakWarning`) about a long run of skipped iterations."""
+        if self._longest_on_device is not None:  # one read, every 100 updates, only with fused steps
+            self._longest = max(self._longest, int(self._longest_on_device.item()))
+        if self._streak_reported or self._longest < STREAK_WARNING_AT or not self.report:
+            return
+        self._streak_reported = True
+        warnings.warn(
+            f"LossScaler: {self._longest} optimizer steps in a row were skipped for inf/NaN gradients (or "
+            f"losses), by step {self.total_steps}: no weight was changed by them, but the run is not "
+            "training. HINT: find the first module that produces inf/NaN (amp_plugin.diagnostics."
+            "NonFiniteTracer or LossScaleMonitor(trace_nonfinite=True)), check the data and the learning "
+            "rate; LossScaleMonitor reports the run's health as it goes.",
+            SkipStreakWarning,
+            stacklevel=4,
+        )
 
     def set_(self, value: float | Tensor) -> None:
         """Set the scale by hand (validated by the caller); the trackers are kept."""
@@ -185,6 +242,8 @@ class DynamicScale:
         if step < 0:
             return
         self._floor_reported = True
+        if not self.report:
+            return
         warnings.warn(
             f"LossScaler: the loss scale backed off to its floor {self.floor:g} at step {step} and the "
             "gradients still overflowed: they are inf/NaN whatever the scale, so every such step is skipped "
@@ -201,6 +260,7 @@ class DynamicScale:
             state["init_scale"], state["_start"], state["scale"] = self.value(), self.trackers(), None
         for name in _TRACKERS:
             state[name] = None
+        state["_streak_on_device"] = state["_longest_on_device"] = None  # the host counts go on from here
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -215,13 +275,6 @@ class DynamicScale:
                 "The loss scale is used before scale() created it. HINT: call scale(loss) first."
             )
         return self.scale
-
-    def _clean_on_cpu(self, scale: Tensor, found_inf: Tensor) -> bool:
-        """Whether a CPU update may take the short path (reading a CPU tensor costs no device sync)."""
-        return (
-            scale.device.type == "cpu" and found_inf.device.type == "cpu" and self.dynamic
-            and self.hysteresis == 1 and not found_inf.item() and scale.item() >= self.floor
-        )  # fmt: skip
 
     def _move(self, scale: Tensor, found_inf: Tensor, track_floor: bool = True) -> None:
         growth = self.growth_tracker

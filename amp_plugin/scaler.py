@@ -28,10 +28,10 @@ from amp_plugin.optim import (
     takes_grad_scaler,
     unwrap_optimizer,
 )  # fmt: skip
-from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning, ScaleKnobs
+from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning, ScaleKnobs, SkipStreakWarning
 from amp_plugin.sharding import ShardAwareKernels
 
-__all__ = ["LossScaler", "ScaleFloorWarning", "unwrap_optimizer"]
+__all__ = ["LossScaler", "ScaleFloorWarning", "SkipStreakWarning", "unwrap_optimizer"]
 
 T = TypeVar("T")
 
@@ -104,13 +104,18 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
         self.process_group = distributed.check_process_group(process_group, "LossScaler")
         if device_type == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn(
-                "LossScaler('cuda') is enabled, but CUDA is not available. Disabling.", stacklevel=2
+                "LossScaler('cuda') is enabled, but CUDA is not available. Disabling: losses are not "
+                "scaled and steps are not checked. HINT: pass the device you train on, e.g. "
+                "LossScaler('cpu'), or leave device=None (wherever the first loss is).",
+                stacklevel=2,
             )
             enabled = False
         self._enabled = enabled
         self._policy = policy
         self._kernels: Kernels | None = None
         self._iteration = Iteration()
+        self._guard_only = _guard_only(policy)
+        self._last_skipped: bool | None = None  # last_step_skipped, where update() knew it on the host
 
     @classmethod
     def from_grad_scaler(cls, grad_scaler: Any, **options: Any) -> LossScaler:
@@ -165,10 +170,16 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
 
     def _scale_tensor(self, loss: Tensor) -> Tensor:
         scale = self._policy.ensure(loss.device)
+        self._iteration.scaled = True
+        if self._guard_only:  # nothing to scale: the loss keeps its dtype and value
+            # x * (0 * x + 1) is x, bit for bit, when x is finite; NaN (in value and gradient) when not.
+            one = torch.ones((), dtype=loss.dtype, device=loss.device)
+            return loss * torch.add(one, loss.detach(), alpha=0)
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
-        self._iteration.scaled = True
-        return loss * scale.to(loss.device, non_blocking=True)
+        # scale + 0 * loss: the scale itself for a finite loss; NaN for a non-finite one, so that its
+        # gradients are non-finite too and the step is skipped (a NaN loss can have finite gradients).
+        return loss * torch.add(scale.to(loss.device, non_blocking=True), loss.detach(), alpha=0)
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.
@@ -192,9 +203,12 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
                 "before step(); call update() to start the next iteration."
             )
         scale = self._require_scale("unscale_")
-        inv_scale = scale.double().reciprocal().float()
-        state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        self._backend().unscale_(gradients_to_unscale(opt), inv_scale, state.found_inf)
+        if self._guard_only:  # a scale of 1: the gradients are read, never written
+            state.found_inf = clipping.nonfinite(self._backend(), gradients_to_unscale(opt))
+        else:
+            inv_scale = scale.double().reciprocal().float()
+            state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+            self._backend().unscale_(gradients_to_unscale(opt), inv_scale, state.found_inf)
         state.stage, state.grad_scale = Stage.UNSCALED, None
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -227,7 +241,8 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
             self.unscale_(opt)
         found_inf = cast(Tensor, state.found_inf)
         self._sync(state)
-        result = None if found_inf.item() else optimizer.step(*args, **kwargs)
+        state.skipped = bool(found_inf.item())  # the one host read of this step, kept for every reader
+        result = None if state.skipped else optimizer.step(*args, **kwargs)
         state.stage = Stage.STEPPED
         return result
 
@@ -243,9 +258,12 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
         scale = self._require_scale("update")
         policy = self._policy
         if new_scale is not None:
-            policy.set_(
-                _scaler_rules.check_manual_scale(new_scale, scale.device, policy.min_scale, policy.max_scale)
+            value = _scaler_rules.check_manual_scale(
+                new_scale, scale.device, policy.min_scale, policy.max_scale
             )
+            policy.set_(value)
+            self._guard_only = self._guard_only and float(value) == 1.0
+            self._last_skipped = None
             self._end_iteration()
             return
         found = self._iteration.flags(self._sync)
@@ -254,13 +272,14 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
                 "update() was called but no optimizer's gradients were checked for inf/NaN since the "
                 "last update(). HINT: " + _ORDER
             )
+        self._last_skipped = self._iteration.skipped_on_host()  # known without a read where step() read
         found_inf = found[0]  # read only below, and the iteration's flags are dropped with it
         if len(found) > 1:
             found_inf = found_inf.clone()
             for other in found[1:]:
                 found_inf += other.to(found_inf.device)
         self._end_iteration()
-        policy.update_(found_inf)
+        policy.update_(found_inf, self._last_skipped)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); synchronises the host."""
@@ -292,8 +311,27 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the iteration closed by the last ``update()`` was skipped."""
+        """Whether the iteration closed by the last ``update()`` was skipped.
+
+        No host read where every ``step()`` of that iteration already read its flag (non-fused
+        optimizers); otherwise one.
+        """
+        if self._last_skipped is not None:
+            return self._last_skipped
         return self._policy.last_skipped()
+
+    @property
+    def warn_on_skips(self) -> bool:
+        """Whether the scaler warns by itself about a scale stuck at its floor (:class:`ScaleFloorWarning`)
+        and long runs of skipped steps (:class:`SkipStreakWarning`), once each.
+
+        ``True`` by default; ``LossScaleMonitor`` turns it off while it reports these itself.
+        """
+        return self._policy.report
+
+    @warn_on_skips.setter
+    def warn_on_skips(self, value: bool) -> None:
+        self._policy.report = check_bool("LossScaler", "warn_on_skips", value)
 
     # -- checkpoints and pickling ----------------------------------------------------------
 
@@ -313,6 +351,8 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
                 "load_state_dict", "load the state before scale() or after update()."
             )
             self._policy.load_state_dict(state_dict)
+            self._guard_only = _guard_only(self._policy)
+            self._last_skipped = None
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise ``ValueError`` if :meth:`load_state_dict` would refuse ``state_dict``; change nothing."""
@@ -323,6 +363,18 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
         if self._enabled:
             self._require_between_iterations("pickling", "pickle (or deepcopy) the scaler after update().")
         return {**self.__dict__, "_kernels": None}
+
+    def step_skipped(self, optimizer: Any) -> bool | Tensor | None:
+        """Whether ``optimizer``'s step in this iteration was skipped, as known without a new host read.
+
+        A ``bool`` where :meth:`step` already read the inf flag (non-fused optimizers), the flag
+        itself (a 0-dim tensor, > 0: skipped) where the step stayed on the device (fused
+        optimizers), ``None`` when the optimizer has not been checked in this iteration.
+        """
+        state = self._iteration.get(id(unwrap_optimizer(optimizer)))
+        if state is None:
+            return None
+        return state.skipped if state.skipped is not None else state.found_inf
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -364,11 +416,8 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
             finally:
                 state.stage = Stage.STEPPED
         if state.stage is Stage.READY:
-            scale = self._require_scale("step")
-            state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-            self._backend().unscale_(
-                clipping.gradients(opt.param_groups), torch.ones_like(scale), state.found_inf
-            )
+            # The optimizer divides by the scale itself; it only needs the inf flag (one read-only pass).
+            state.found_inf = clipping.nonfinite(self._backend(), clipping.gradients(opt.param_groups))
             grad_scale: Tensor | None = self._carried_factor(opt)
         else:  # unscaled: a folded clip factor, or the user's own preset (kept, as torch keeps it)
             grad_scale = (
@@ -390,6 +439,11 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
     def _forget(self, optimizer: Any) -> None:
         """Drop this iteration's state of ``optimizer``: its gradients will not be stepped."""
         self._iteration.forget(id(unwrap_optimizer(optimizer)))
+
+
+def _guard_only(policy: DynamicScale) -> bool:
+    """A static scale of 1: nothing is scaled; the scaler only checks and skips (the bf16/fp32 guard)."""
+    return not policy.dynamic and policy.init_scale == 1.0
 
 
 _ORDER = "per iteration: scale(loss).backward(), optionally unscale_/clip, step(optimizer), update()."

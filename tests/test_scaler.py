@@ -392,24 +392,20 @@ def test_disabled_scaler_passes_through() -> None:
 
 @pytest.mark.filterwarnings("ignore::amp_plugin.scale_policy.ScaleFloorWarning")  # min_scale reaches it
 @pytest.mark.parametrize("settings", [{}, {"max_scale": 2.0**10}, {"min_scale": 1.0}])
-def test_the_cpu_short_path_of_update_changes_nothing(
-    settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Clean CPU updates skip the floor and skip bookkeeping; the full rule must give the same states."""
+def test_the_short_path_of_update_changes_nothing(settings: dict[str, Any]) -> None:
+    """Updates known clean on the host skip the floor and skip bookkeeping; the full rule gives the same."""
     from amp_plugin.scale_policy import DynamicScale
 
     rng = random.Random(0)
     flags = [float(rng.random() < 0.3) for _ in range(300)]
 
-    def run() -> list[Any]:
+    def run(known: bool) -> list[Any]:
         policy = DynamicScale(2.0**8, 2.0, 0.5, 3, **settings)
         policy.ensure(torch.device("cpu"))
         states = []
         for flag in flags:
-            policy.update_(torch.tensor(flag))
+            policy.update_(torch.tensor(flag), bool(flag) if known else None)
             states.append((policy.state_dict(), int(policy.floor_step), bool(policy.last_inf)))
         return states
 
-    short = run()
-    monkeypatch.setattr(DynamicScale, "_clean_on_cpu", lambda self, scale, found_inf: False)
-    assert run() == short
+    assert run(known=True) == run(known=False)

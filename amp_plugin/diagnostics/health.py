@@ -16,6 +16,7 @@ from typing import Any
 from amp_plugin import _imports
 from amp_plugin._validation import check_bool, check_choice, check_int, check_number, fail
 from amp_plugin.diagnostics.health_state import HealthState, ScaleRecord, check_health_state, number_or_none
+from amp_plugin.scale_policy import STREAK_WARNING_AT
 
 __all__ = [
     "HealthState",
@@ -53,7 +54,8 @@ class SkipHealth:
       scale backs off to one the gradients fit (normal).
     * ``"sporadic"``: rare skips after warm-up: the scale grew once too far and backed off (normal).
     * ``"pathological"``: after warm-up, ``max_consecutive_skips`` steps skipped in a row, or more
-      than ``max_skip_rate`` of the last ``window`` steps skipped; or, at any time, the scale at
+      than ``max_skip_rate`` of the last ``window`` steps skipped; within warm-up, 25 steps in a row
+      (``STREAK_WARNING_AT``, or ``max_consecutive_skips`` if larger); or, at any time, the scale at
       the scaler's ``min_scale``, or below 1 without one (the gradients overflow unscaled). It
       returns to ``"sporadic"`` when none of these holds any more.
 
@@ -136,10 +138,12 @@ class SkipHealth:
                 f"the scale fell to {scale:g}: below 1 the gradients overflow even unscaled, which no scale "
                 "calibrates (LossScaler(min_scale=1.0) floors it, as DeepSpeed and Megatron do)"
             )
-        if not in_warmup and self.consecutive >= self.max_consecutive_skips:
-            problems.append(
-                f"{self.consecutive} steps in a row were skipped (limit {self.max_consecutive_skips})"
-            )
+        # A run this long is never warm-up: the scaler alone would warn about it (SkipStreakWarning).
+        limit = self.max_consecutive_skips
+        if in_warmup:
+            limit = max(limit, STREAK_WARNING_AT)
+        if self.consecutive >= limit:
+            problems.append(f"{self.consecutive} steps in a row were skipped (limit {limit})")
         window_after_warmup = len(self.flags) == self.window and self.steps - self.window >= self.warmup_steps
         if window_after_warmup and self.skip_rate > self.max_skip_rate:
             problems.append(

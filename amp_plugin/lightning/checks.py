@@ -37,7 +37,9 @@ __all__ = [
 _OBSERVING_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
 
 
-def check_arguments(precision: object, scaler: object, clip_fused: object, lr_on_skip: object) -> None:
+def check_arguments(
+    precision: object, scaler: object, clip_fused: object, lr_on_skip: object, guard: object = True
+) -> None:
     """Raise ``ValueError`` / ``TypeError`` (what, allowed, ``HINT:``) for ``AMPPrecision`` arguments.
 
     Example:
@@ -58,6 +60,21 @@ def check_arguments(precision: object, scaler: object, clip_fused: object, lr_on
             f"AMPPrecision(precision={precision!r}) does not use a loss scaler, but scaler= was passed. "
             "HINT: drop scaler=, or use precision='16-mixed'."
         )
+    if scaler is not None and not scaler.is_enabled():
+        fail(
+            "AMPPrecision", f"scaler={type(scaler).__name__} (disabled)",
+            "an enabled scaler: a disabled one would train fp16 with neither loss scaling nor an inf check",
+            "leave scaler=None (the plugin makes a LossScaler for the device it trains on), or pass one "
+            "for that device, e.g. LossScaler('cpu'); a scaler for 'cuda' is disabled where CUDA is not "
+            "available. fp16 without scaling, still guarded: LossScaler(init_scale=1.0, dynamic=False).",
+        )  # fmt: skip
+    check_bool("AMPPrecision", "guard", guard)
+    if guard is False and precision in ("16-mixed", "16-true"):
+        fail(
+            "AMPPrecision", f"precision={precision!r}, guard=False",
+            "guard=False only where no loss scaler runs (bf16, fp32): fp16's loss scaler always checks "
+            "and skips", "drop guard=False.",
+        )  # fmt: skip
     if scaler is not None and precision == "auto":
         raise ValueError(
             "AMPPrecision(precision='auto', scaler=...) is ambiguous: 'auto' picks bf16 (no scaler) where it "

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins.precision import MixedPrecision, Precision
-from torch import nn
+from lightning.fabric.plugins.precision import MixedPrecision
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -24,6 +24,7 @@ from amp_plugin._validation import check_choice
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import checks
 from amp_plugin.scaler import LossScaler
+from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
 
@@ -60,8 +61,9 @@ class AMPPrecision(MixedPrecision):
         scaler: LossScaler | torch.amp.GradScaler | None = None,
         kernels: Backend = "auto",
         fp32_modules: Sequence[type[nn.Module]] = (),
+        guard: bool = True,
     ) -> None:
-        checks.check_arguments(precision, scaler, "auto", "hold")
+        checks.check_arguments(precision, scaler, "auto", "hold", guard)
         allowed = ("16-mixed", "bf16-mixed", "auto")
         hint = "the '-true' precisions are the Trainer plugin's: use Fabric(precision='bf16-true')."
         check_choice("AMPPrecision (Fabric)", "precision", precision, allowed, hint)
@@ -78,6 +80,9 @@ class AMPPrecision(MixedPrecision):
         if scaler is None and self.dtype == torch.float16:
             scaler = LossScaler(kernels=self.kernels)
         self.scaler = scaler
+        if scaler is None and guard:  # bf16: nothing to scale, but every step is still checked
+            scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
+        self._driver = StepDriver(scaler)
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
 
     @override
@@ -93,36 +98,54 @@ class AMPPrecision(MixedPrecision):
         return module
 
     @override
+    def backward(self, tensor: Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        self._driver.backward_done()
+        guard = self._driver.scaler  # scales for fp16; a non-finite loss makes the gradients NaN
+        (tensor if guard is None else guard.scale(tensor)).backward(*args, **kwargs)
+
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step unless a gradient is inf/NaN (weights and optimizer state then stay as they were); update."""
-        scaler = self.scaler
-        if scaler is None:
-            return Precision.optimizer_step(self, optimizer, **kwargs)
-        if checks.is_lbfgs(optimizer):
+        """Step unless the loss or a gradient is inf/NaN (weights and optimizer state then stay as they were).
+
+        Every precision is checked (see :attr:`guard`); the scale is updated after the step.
+        """
+        if self._driver.scaler is not None and checks.is_lbfgs(optimizer):
             raise TypeError(checks.LBFGS_REFUSAL)
-        result = scaler.step(optimizer, **kwargs)
-        scaler.update()
-        return result
+        # fabric.clip_gradients (the only thing between backward and step) has unscaled already.
+        return self._driver.step(optimizer, lambda: False, observe_unscaled=False, **kwargs)
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale the gradients in place before ``fabric.clip_gradients`` clips them.
+        """Unscale the gradients in place (and check them) before ``fabric.clip_gradients`` clips them.
 
         Also for fused optimizers (``fused=True``), which then step on the unscaled gradients;
         a second clip in the same step finds them unscaled already.
         """
-        if self.scaler is not None and self.scaler.stage(optimizer) == "ready":
-            self.scaler.unscale_(optimizer)
+        guard = self._driver.scaler
+        if guard is not None and guard.stage(optimizer) == "ready":
+            guard.unscale_(optimizer)
+
+    @property
+    def guard(self) -> LossScaler | None:
+        """The :class:`LossScaler` that checks every step: the fp16 scaler, or a guard that scales nothing.
+
+        ``None`` with ``guard=False``.
+
+        Example:
+            >>> AMPPrecision("bf16-mixed", device="cpu").guard.get_scale()
+            1.0
+        """
+        return self._driver.scaler
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the latest ``optimizer.step()`` was skipped for inf/NaN gradients (``False`` for bf16).
+        """Whether the latest ``optimizer.step()`` was skipped for an inf/NaN loss or gradient.
 
         Example:
             >>> AMPPrecision("bf16-mixed", device="cpu").last_step_skipped
             False
         """
-        return self.scaler is not None and self.scaler.last_step_skipped
+        return self._driver.last_step_skipped
 
     @override
     def teardown(self) -> None:

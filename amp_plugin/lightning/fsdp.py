@@ -12,17 +12,20 @@ Every other behaviour (autocast, dtypes, the FSDP ``MixedPrecision`` config) is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import FSDPPrecision
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin._validation import fail
-from amp_plugin.optim import handles_unscaling, unwrap_optimizer
+from amp_plugin._validation import check_bool, fail
+from amp_plugin.optim import handles_unscaling
 from amp_plugin.scaler import LossScaler
+from amp_plugin.step import StepDriver
 
 __all__ = ["AMPFSDPPrecision"]
 
@@ -48,7 +51,9 @@ class AMPFSDPPrecision(FSDPPrecision):
 
     scaler: Any  # a LossScaler for "16-mixed", else None (the base class annotates ShardedGradScaler)
 
-    def __init__(self, precision: str = "16-mixed", scaler: LossScaler | None = None) -> None:
+    def __init__(
+        self, precision: str = "16-mixed", scaler: LossScaler | None = None, guard: bool = True
+    ) -> None:
         if precision not in _PRECISIONS:
             fail("AMPFSDPPrecision", f"precision={precision!r}", ", ".join(map(repr, _PRECISIONS)),
                  "'16-mixed' is the precision that scales the loss.")  # fmt: skip
@@ -60,6 +65,7 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail("AMPFSDPPrecision", f"precision={precision!r}, scaler=LossScaler",
                  "a scaler only with precision='16-mixed'",
                  "drop the scaler: bf16 and fp32 need none.")  # fmt: skip
+        check_bool("AMPFSDPPrecision", "guard", guard)
         if precision == "16-mixed" and scaler is None:
             scaler = LossScaler("cuda")
         # Lightning 2.6's FSDPPrecision checks ``self.precision`` (still the class default) before it
@@ -68,26 +74,61 @@ class AMPFSDPPrecision(FSDPPrecision):
         self.precision = precision  # type: ignore[assignment]
         super().__init__(precision, scaler=scaler)  # type: ignore[arg-type]
         self.scaler = scaler
+        guard_scaler = scaler
+        if guard_scaler is None and guard:  # nothing to scale; every step is still checked, on every rank
+            guard_scaler = LossScaler(init_scale=1.0, dynamic=False)
+        self._driver = StepDriver(guard_scaler)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        Precision.pre_backward(self, tensor, module)  # the hooks get the loss as the user computed it
+        guard = self._driver.scaler  # scales for fp16; a non-finite loss makes the gradients NaN
+        return tensor if guard is None else guard.scale(tensor)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        self._driver.backward_done()
+        Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        scaler = self.scaler
-        if scaler is None:
+        if self._driver.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:  # training_step returned None
-            self._after_closure(model, optimizer)
-            scaler._forget(optimizer)
+            self._driver.not_stepped(optimizer, lambda: self._after_closure(model, optimizer))
             return None
-        if not handles_unscaling(unwrap_optimizer(optimizer)):
-            scaler.unscale_(optimizer)  # hooks and clipping see unscaled gradients
-        self._after_closure(model, optimizer)
-        scaler.recheck_(optimizer)  # a hook may have written inf/NaN after unscale_
-        result = scaler.step(optimizer, **kwargs)  # the inf flag is all-reduced first, fused or not
-        scaler.update()
-        return result
+
+        def hooks() -> bool:
+            self._after_closure(model, optimizer)
+            return False
+
+        # Fused optimizers unscale inside their step; the others before the hooks (and clipping) see them.
+        unscale = not handles_unscaling(optimizer)
+        return self._driver.step(
+            optimizer, hooks, observe_unscaled=unscale, update=model.automatic_optimization, **kwargs
+        )
+
+    @override
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        with super().train_step_context():
+            yield
+        self._driver.end_batch()  # manual optimization: one update per batch, after every step
+
+    @property
+    def guard(self) -> LossScaler | None:
+        """The :class:`LossScaler` that checks every step: the fp16 scaler, or a guard that scales nothing."""
+        return self._driver.scaler
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest optimizer step was skipped for an inf/NaN loss or gradient."""
+        return self._driver.last_step_skipped
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -97,8 +138,9 @@ class AMPFSDPPrecision(FSDPPrecision):
         (``FULL_SHARD``, ``SHARD_GRAD_OP``); under hybrid sharding or ``NO_SHARD`` the shards
         repeat across ranks and this norm would count them more than once.
         """
-        if self.scaler is None:
-            fail("AMPFSDPPrecision.clip_grad_by_norm", f"precision={self.precision!r}",
-                 "precision='16-mixed' (the norm clip goes through the LossScaler)",
-                 "use gradient_clip_algorithm='value', or precision='16-mixed'.")  # fmt: skip
-        self.scaler.clip_grad_norm_(optimizer, float(clip_val), sharded=True)
+        guard = self._driver.scaler
+        if guard is None:
+            fail("AMPFSDPPrecision.clip_grad_by_norm", "guard=False",
+                 "the guard on (the norm clip goes through its LossScaler)",
+                 "use gradient_clip_algorithm='value', or drop guard=False.")  # fmt: skip
+        guard.clip_grad_norm_(optimizer, float(clip_val), sharded=True)

@@ -39,6 +39,7 @@ from amp_plugin.diagnostics.health_state import HealthState, ScaleRecord, check_
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning._monitor_values import amp_metrics, publish
 from amp_plugin.lightning.plugin import AMPPrecision
+from amp_plugin.scaler import LossScaler
 
 __all__ = ["LossScaleMonitor"]
 
@@ -104,6 +105,8 @@ class LossScaleMonitor(Callback):
         self._named_first_incident = False
         self._restored = False
         self._published = -1  # the progress count at which amp/* last went into callback_metrics
+        self._unguarded = False  # the plugin's guard is off: nothing is skipped, so nothing is "clean"
+        self._quieted: LossScaler | None = None  # the guard whose own warnings the monitor speaks for
 
     # -- what users read ----------------------------------------------------------------------
 
@@ -128,7 +131,7 @@ class LossScaleMonitor(Callback):
         scales = [r.scale for r in self._records if not math.isnan(r.scale)]
         if scales:
             text += f", scale {scales[-1]:g}"
-        return f"{text}; health: {h.state}."
+        return f"{text}; health: {'unguarded' if self._unguarded else h.state}."
 
     # -- set-up and tear-down -----------------------------------------------------------------
 
@@ -153,15 +156,26 @@ class LossScaleMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         plugin = self._require_plugin()
-        scaler = plugin.scaler
-        if scaler is None:
+        scaler, guard = plugin.scaler, plugin.guard
+        if guard is None:
+            rank_zero_warn(
+                "LossScaleMonitor: the plugin's guard is off (guard=False), so steps with inf/NaN "
+                "gradients are applied and never counted as skipped; health reads 'unguarded'. HINT: drop "
+                "guard=False to have such steps skipped and reported."
+            )
+        elif scaler is None:
             rank_zero_info(
                 f"LossScaleMonitor: {plugin.precision} needs no loss scaler (bf16 has fp32's range), so "
-                "amp/scale is not logged; amp/grad_norm, amp/skipped_steps and amp/skip_rate are."
+                "amp/scale is not logged; amp/grad_norm, amp/skipped_steps and amp/skip_rate are (its "
+                "guard skips steps with inf/NaN gradients)."
             )
-        elif not self._restored and self._health.steps == 0:
-            # Added to a run that already trained: start from the scaler's own counters.
-            self._health.steps, self._health.skipped = scaler.total_steps, scaler.skipped_steps
+        if guard is not None and not self._restored and self._health.steps == 0:
+            # Added to a run that already trained: start from the guard's own counters.
+            self._health.steps, self._health.skipped = guard.total_steps, guard.skipped_steps
+        self._unguarded = guard is None
+        if guard is not None:  # the monitor reports floors and skip runs itself, once: the guard goes quiet
+            guard.warn_on_skips = False
+            self._quieted = guard
         clip = _clipping(trainer)
         if clip is not None and clip[0] == GradClipAlgorithmType.VALUE:
             rank_zero_info(
@@ -205,6 +219,9 @@ class LossScaleMonitor(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._detach()
+        if self._quieted is not None:  # outside fit the guard speaks for itself again
+            self._quieted.warn_on_skips = True
+            self._quieted = None
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -232,7 +249,8 @@ class LossScaleMonitor(Callback):
         verdict = self._health.observe(skipped, scale)
         tracer = self._tracer
         seen = tracer is not None and (tracer.forward_record or tracer.backward_record) is not None
-        incident = skipped or (scaler is None and seen)  # bf16 never skips: what the tracer saw is the news
+        # Unguarded steps never skip: what the tracer saw is the news.
+        incident = skipped or (plugin.guard is None and seen)
         if incident or sample:
             norm = plugin.last_grad_norm
             record = ScaleRecord(
@@ -284,14 +302,14 @@ class LossScaleMonitor(Callback):
         return self._plugin
 
     def _progress_count(self, trainer: Trainer) -> int:
-        scaler = self._require_plugin().scaler
-        # The scaler's update count is exact: a batch whose backward was skipped steps Lightning, not it.
-        return trainer.global_step if scaler is None else scaler.total_steps
+        guard = self._require_plugin().guard
+        # The guard's update count is exact: a batch whose backward was skipped steps Lightning, not it.
+        return trainer.global_step if guard is None else guard.total_steps
 
     def _publish(self, trainer: Trainer, record: ScaleRecord, log: bool) -> None:
         """Put ``record``'s metrics into ``callback_metrics`` (every rank) and, if ``log``, the loggers."""
         scaler = self._require_plugin().scaler
-        # The scaler's skip count is the truth (it survives a resume); bf16 has only the monitor's.
+        # The scaler's skip count is the truth (it survives a resume); bf16's guard is counted by the monitor.
         skipped = self._health.skipped if scaler is None else scaler.skipped_steps
         metrics = amp_metrics(scaler, record.scale, skipped, self._health.skip_rate, record.grad_norm,
                               _clipping(trainer))  # fmt: skip

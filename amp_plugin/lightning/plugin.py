@@ -4,7 +4,7 @@ A thin adapter: autocast comes from :mod:`amp_plugin.autocast`, fp32 modules and
 :mod:`amp_plugin.fp32_policy`, scaling and skipping from :class:`~amp_plugin.LossScaler`, clipping
 from :mod:`amp_plugin.clipping`. Its neighbours in :mod:`amp_plugin.lightning` hold the rest:
 argument and fit-start checks (``checks``), the checkpoint entry (``checkpoint``), the clipping
-hooks (``clipping_hooks``), the skip-aware LR scheduler (``schedulers``), and every read of a
+hooks' checks, the skip-aware LR scheduler (``schedulers``), and every read of a
 Lightning internal (``_compat``).
 """
 
@@ -17,16 +17,16 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin import fp32_policy
-from amp_plugin.kernels import Backend, check_backend
+from amp_plugin import clipping, fp32_policy
+from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY, CheckpointHooks
-from amp_plugin.lightning.clipping_hooks import ClippingHooks
 from amp_plugin.lightning.half_weights import HalfWeights
 from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.master_weights import MasterWeights
@@ -34,11 +34,13 @@ from amp_plugin.opt_levels import opt_level_arguments
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.scaler import LossScaler
+from amp_plugin.sharding import ShardAwareKernels
+from amp_plugin.step import StepDriver
 
 __all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
 
 
-class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
+class AMPPrecision(CheckpointHooks, MixedPrecision):
     """Mixed precision for ``Trainer(plugins=[AMPPrecision(...)])``.
 
     A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
@@ -71,6 +73,12 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
             own arithmetic, as Lightning's "bf16-true"), ``"stochastic"`` (unbiased; small updates
             survive in expectation) or ``"kahan"`` (a half-precision compensation buffer).
         rounding_seed: seed of the stochastic rounding (the same on every rank).
+        guard: skip every optimizer step whose loss or gradients hold an inf/NaN, in every
+            precision (parameters, master weights, rounding state and optimizer state stay as
+            they were; the skip is counted and holds the scheduler). fp16 gets this from its
+            loss scaler; the other precisions from :attr:`guard`, which scales nothing and costs
+            one read-only pass over the gradients (none when a norm clip runs). ``False`` turns
+            it off where no loss scaler runs (refused for fp16, whose scaler always checks).
         lr_on_skip: ``"hold"`` keeps a step-interval LR scheduler still when its optimizer's
             step was skipped (or not taken: ``training_step`` returned ``None``); ``"advance"``
             steps it anyway, without PyTorch's misleading order warning. In manual optimization
@@ -99,8 +107,9 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
         rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
         rounding_seed: int = 0,
         fp32_functions: Callable[..., Any] | Sequence[Callable[..., Any]] = (),
+        guard: bool = True,
     ) -> None:
-        checks.check_arguments(precision, scaler, clip_fused, lr_on_skip)
+        checks.check_arguments(precision, scaler, clip_fused, lr_on_skip, guard)
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
         self.kernels = check_backend(kernels)
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
@@ -126,10 +135,9 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
         self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
         self._fast_clip = clip_fused is True
-        self._stepped_in_batch = self._want_grad_norm = self._norm_clipped = self._no_clip = False
-        self._skips: dict[int, Tensor] = {}  # id(optimizer) -> whether its latest step was skipped
-        self._last_skip: Tensor | None = None  # the latest step's flag, until the batch's scale update
-        self._stepped_since_backward: set[int] = set()  # ids of optimizers that may not step again yet
+        self._want_grad_norm = self._norm_clipped = self._no_clip = False
+        self._guard = guard
+        self._driver: StepDriver | None = None  # built when the precision is resolved
         if device is not None:
             self._resolve(device)
 
@@ -157,6 +165,11 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
         # A scaler comes only with "16-mixed" (check_arguments), which always resolves to fp16.
         if self.scaler is None and dtype == torch.float16:
             self.scaler = LossScaler(kernels=self.kernels)
+        guard = self.scaler
+        if guard is None and self._guard:  # nothing to scale: a guard that only checks and skips
+            guard = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
+        if self._driver is None or self._driver.scaler is not guard:
+            self._driver = StepDriver(guard, None if self._half is None else self._half.before_step)
         self.device, self.dtype = device_type, dtype
         return device_type, dtype
 
@@ -251,9 +264,8 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
         with self.forward_context():
             yield
         # Manual optimization: one update per training batch, after every optimizer's step.
-        if self._stepped_in_batch:
-            self._stepped_in_batch = False
-            self._update()
+        if self._driver is not None:
+            self._driver.end_batch()
 
     # -- backward and step ----------------------------------------------------------------------
 
@@ -261,13 +273,14 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # The hooks get the loss as the user computed it; only backward sees the scaled one.
         Precision.pre_backward(self, tensor, module)  # not MixedPrecision's: it scales for GradScaler
-        return tensor if self.scaler is None else self.scaler.scale(tensor)
+        guard = self._require_driver().scaler
+        return tensor if guard is None else guard.scale(tensor)
 
     @override
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
-        self._stepped_since_backward.clear()
+        self._require_driver().backward_done()
         # torch runs backward best with autocast off; manual_backward sits inside training_step's region
         # (automatic optimization calls backward outside it, where there is nothing to turn off).
         device = self.device or "cpu"
@@ -281,70 +294,32 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        scaler = self.scaler
-        if scaler is None and self._half is None:
-            return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
+        driver = self._require_driver()
         closure_result = closure()  # the half gradients must exist before the masters take them
-        if scaler is None:
-            if closure_result is None and model.automatic_optimization:
-                return self._after_closure(model, optimizer)  # nothing stepped; zero_grad clears
-            if self._half is not None:
-                self._half.before_step(optimizer)
-            self._after_closure(model, optimizer)
-            return optimizer.step(**kwargs)
         if closure_result is None and model.automatic_optimization:
-            self._not_stepped(scaler, model, optimizer)
+            self._no_clip = True
+            try:
+                driver.not_stepped(optimizer, lambda: self._after_closure(model, optimizer))
+            finally:
+                self._no_clip = False
+            self.last_grad_norm = None
             return closure_result
-        if self._half is not None:
-            self._half.before_step(optimizer)
-        self._arm(scaler, optimizer)
-        if scaler.stage(optimizer) == "ready" and not self._fast_clip:
-            scaler.unscale_(optimizer)  # the hooks below see unscaled gradients
+        return driver.step(
+            optimizer, lambda: self._run_hooks(model, optimizer), observe_unscaled=not self._fast_clip,
+            update=model.automatic_optimization, **kwargs,
+        )  # fmt: skip
+
+    def _run_hooks(self, model: LightningModule, optimizer: Any) -> bool:
+        """``on_before_optimizer_step`` and clipping; whether a norm clip ran (it checked the gradients)."""
         self._norm_clipped = False
         self._after_closure(model, optimizer)
-        if not (self._fast_clip or self._norm_clipped):  # a norm clip after the hooks re-checked already
-            scaler.recheck_(optimizer)  # a hook may have written inf/NaN after unscale_
-        result = scaler.step(optimizer, **kwargs)
-        flag = scaler.found_inf(optimizer)
-        self._record_step(optimizer, torch.zeros((), dtype=torch.bool) if flag is None else flag > 0)
-        if model.automatic_optimization:
-            self._update()
-        else:
-            self._stepped_in_batch = True
-        return result
+        return self._norm_clipped
 
-    def _not_stepped(self, scaler: LossScaler, model: LightningModule, optimizer: Any) -> None:
-        """``training_step`` returned ``None``: the hooks run as under MixedPrecision; nothing is clipped."""
-        self._no_clip = True
-        try:
-            self._after_closure(model, optimizer)
-        finally:
-            self._no_clip = False
-        scaler._forget(optimizer)  # nothing of this batch may be taken for the next one's state
-        self.last_grad_norm = None
-        self._record_step(optimizer, torch.ones((), dtype=torch.bool))  # holds its scheduler
-
-    def _arm(self, scaler: LossScaler, optimizer: Any) -> None:
-        """Let manual optimization step an optimizer again in a batch (a WGAN critic), after a backward."""
-        key = id(unwrap_optimizer(optimizer))
-        if scaler.stage(optimizer) == "stepped":
-            if key in self._stepped_since_backward:
-                raise RuntimeError(
-                    f"{type(unwrap_optimizer(optimizer)).__name__} was stepped twice in one training_step "
-                    "with no backward in between, under fp16 loss scaling: the first step used the "
-                    "gradients. HINT: call manual_backward (and zero_grad) before each step of the same "
-                    "optimizer."
-                )
-            scaler._rearm(optimizer)  # skipped on its own gradients; one scale update per batch
-        self._stepped_since_backward.add(key)
-
-    def _record_step(self, optimizer: Any, skipped: Tensor) -> None:
-        self._skips[id(unwrap_optimizer(optimizer))] = self._last_skip = skipped
-
-    def _update(self) -> None:
-        if self.scaler is not None:  # bf16 has neither a scaler nor an update
-            self.scaler.update()
-        self._last_skip = None  # from here on last_step_skipped describes the whole batch
+    def _require_driver(self) -> StepDriver:
+        if self._driver is None:
+            self._resolve("cuda" if torch.cuda.is_available() else "cpu")
+        assert self._driver is not None  # set by _resolve
+        return self._driver
 
     @override
     def _after_closure(self, model: LightningModule, optimizer: Any) -> None:
@@ -358,21 +333,82 @@ class AMPPrecision(CheckpointHooks, ClippingHooks, MixedPrecision):
         """The fp32 master weights (``master_weights=True``, after the model was converted), else ``None``."""
         return self._half.masters if self._half is not None and self.master_weights else None
 
+    # -- clipping and the gradient norm ----------------------------------------------------------
+
+    def request_grad_norm(self) -> None:
+        """Have the next optimizer step record ``last_grad_norm`` even without clipping.
+
+        With clipping on, the norm comes free with the clip; otherwise it costs one read of the
+        gradients, which is why it is asked for per step (e.g. on logging steps only).
+        """
+        self._want_grad_norm = True
+
+    def _grad_norm(self, optimizer: Any) -> Tensor:
+        if self.guard is not None:
+            return self.guard.grad_norm(optimizer)
+        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
+        return self._kernels_for(grads).norm(grads)
+
+    def _kernels_for(self, grads: list[Tensor]) -> Kernels:
+        return ShardAwareKernels(get_kernels(self.kernels, grads[0].device if grads else None))
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0 or self._no_clip:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.clip_grad_by_value(optimizer, clip_val)
+        else:
+            self.clip_grad_by_norm(optimizer, clip_val)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self._norm_clipped = True
+        if self.guard is not None:
+            self.last_grad_norm = self.guard.clip_grad_norm_(optimizer, float(clip_val))
+            return
+        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
+        self.last_grad_norm = clipping.clip_grad_norm_(
+            self._kernels_for(grads), grads, float(clip_val)
+        ).total_norm
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
+            self.last_grad_norm = self._grad_norm(optimizer)
+        if self.guard is not None:
+            self.guard.clip_grad_value_(optimizer, float(clip_val))
+        else:
+            Precision.clip_grad_by_value(self, unwrap_optimizer(optimizer), clip_val)
+
+    @property
+    def guard(self) -> LossScaler | None:
+        """The :class:`LossScaler` that checks every step and skips non-finite ones.
+
+        The fp16 loss scaler itself (``scaler``), or for bf16, fp32 and the "-true" precisions
+        a guard that scales nothing (a static scale of 1) and checks the gradients read-only.
+        ``None`` with ``guard=False``, or until the precision is resolved at setup.
+        """
+        return None if self._driver is None else self._driver.scaler
+
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the latest optimizer step was skipped (``False`` without a scaler).
+        """Whether the latest optimizer step was skipped (``False`` before the first).
 
         Right after ``opt.step()`` in manual optimization it describes that step; after the
         batch's scale update, whether any step of the batch was skipped.
         """
-        if self._last_skip is not None:
-            return bool(self._last_skip)
-        return self.scaler is not None and self.scaler.last_step_skipped
+        return self._driver is not None and self._driver.last_step_skipped
 
     def step_skipped(self, optimizer: Any) -> bool:
         """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
-        flag = self._skips.get(id(unwrap_optimizer(optimizer)))
-        return flag is not None and bool(flag)
+        return self._driver is not None and self._driver.step_skipped(optimizer)
+
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor

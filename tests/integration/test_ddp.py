@@ -39,13 +39,13 @@ class _RankModule(LightningModule):
             self.net[2].bias.grad.fill_(float("inf"))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.scales.append(self.trainer.precision_plugin.scaler.get_scale())
+        self.scales.append(self.trainer.precision_plugin.guard.get_scale())
 
     def on_train_end(self) -> None:
         flat = torch.cat([p.detach().flatten() for p in self.parameters()])
         gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat)  # compared inside the workers: ddp_spawn returns nothing
-        scaler = self.trainer.precision_plugin.scaler
+        scaler = self.trainer.precision_plugin.guard  # the fp16 scaler itself, or bf16's guard
         result = {
             "dtypes": sorted(set(self.dtypes)),
             "steps": len(self.dtypes),
@@ -58,7 +58,10 @@ class _RankModule(LightningModule):
         Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(result))
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if getattr(self, "optimizer", None) == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+        fused = getattr(self, "optimizer", None) == "fused"
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=fused)
 
 
 def _loader() -> DataLoader:
@@ -133,4 +136,22 @@ def test_nan_from_a_hook_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) ->
     r0, r1 = _results(tmp_path)
     assert r0["skipped"] == r1["skipped"] == 1  # rank 0 saw no NaN and skipped too
     assert r0["scales"] == r1["scales"] == [2.0**8, 2.0**7, 2.0**7]
+    assert r0["params_equal_across_ranks"] and r0["params_finite"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused"])
+def test_bf16_inf_on_one_rank_is_skipped_on_every_rank(tmp_path: Path, optimizer: str) -> None:
+    """bf16 has no loss scaler; its guard still agrees on the skip across ranks (ddp_fork)."""
+    plugin = AMPPrecision("bf16-mixed")
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=4, plugins=[plugin], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    module = _RankModule(str(tmp_path), poison=(2,))
+    module.optimizer = optimizer
+    trainer.fit(module, _loader())
+    r0, r1 = _results(tmp_path)
+    assert r0["dtypes"] == r1["dtypes"] == ["torch.bfloat16"]
+    assert r0["skipped"] == r1["skipped"] == 1  # rank 0 saw no inf and skipped too
     assert r0["params_equal_across_ranks"] and r0["params_finite"]

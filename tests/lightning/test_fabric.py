@@ -211,3 +211,37 @@ def test_ddp_ranks_agree_on_a_skip(tmp_path: Path) -> None:
     fabric.launch(_ddp_worker, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert results == [{"skipped": 1, "equal": True, "finite": True}] * 2
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("how", ["nan_loss", "inf_grad"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_every_precision_is_guarded(precision: str, how: str, fused: bool) -> None:
+    """bf16 used to step on an inf gradient (no scaler, so no check): weights went non-finite for good."""
+    scaler = LossScaler(init_scale=2.0**8) if precision == "16-mixed" else None
+    plugin = AMPPrecision(precision, device="cpu", scaler=scaler)
+    fabric, model, opt = _setup(plugin, fused=fused)
+    _train(fabric, model, opt, range(2))
+    weights, state = _flat(model).clone(), {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    x, y = _batch(2)
+    loss = nn.functional.mse_loss(model(x).float(), y)
+    fabric.backward(loss + float("nan") if how == "nan_loss" else loss)
+    if how == "inf_grad":
+        next(model.parameters()).grad[0, 0] = float("inf")
+    opt.step()
+    opt.zero_grad()
+    assert plugin.last_step_skipped and plugin.guard is not None and plugin.guard.skipped_steps == 1
+    assert torch.equal(_flat(model), weights)
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(after[k], v) for k, v in state.items())
+    _train(fabric, model, opt, range(3, 4))
+    assert not plugin.last_step_skipped and not torch.equal(_flat(model), weights)
+    assert bool(torch.isfinite(_flat(model)).all())
+
+
+def test_guard_false_leaves_bf16_unguarded() -> None:
+    plugin = AMPPrecision("bf16-mixed", device="cpu", guard=False)
+    assert plugin.guard is None
+    fabric, model, opt = _setup(plugin)
+    _train(fabric, model, opt, range(1), poison=(0,))
+    assert not bool(torch.isfinite(_flat(model)).all())

@@ -42,8 +42,11 @@ def test_defaults_and_bad_arguments() -> None:
         AMPFSDPPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="only with precision='16-mixed'"):
         AMPFSDPPrecision("bf16-mixed", scaler=LossScaler("cpu"))
-    with pytest.raises(ValueError, match="HINT"):
-        AMPFSDPPrecision("bf16-mixed").clip_grad_by_norm(torch.optim.SGD([nn.Parameter(torch.ones(1))]), 1.0)
+    assert isinstance(AMPFSDPPrecision("bf16-mixed").guard, LossScaler)  # bf16 is checked too
+    with pytest.raises(ValueError, match=r"guard=False.*HINT"):
+        AMPFSDPPrecision("bf16-mixed", guard=False).clip_grad_by_norm(
+            torch.optim.SGD([nn.Parameter(torch.ones(1))]), 1.0
+        )
 
 
 def test_fsdp_strategy_takes_the_plugin_and_the_trainer_asks_for_a_gpu() -> None:

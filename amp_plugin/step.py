@@ -1,0 +1,165 @@
+"""The step driver: the control flow of one guarded optimizer step, shared by every adapter.
+
+Lightning's Trainer plugin, Fabric's plugin and ``AMPFSDPPrecision`` differ in which hooks run
+between backward and the optimizer step; the order around those hooks is the same for all and
+lives here once, in plain torch:
+
+1. ``training_step`` returned ``None``: the hooks run (without clipping), nothing steps, and the
+   batch counts as not stepped (its step-interval scheduler holds).
+2. The half-precision gradients move into fp32 masters, if the model has them.
+3. In manual optimization an optimizer may step again after another backward (a WGAN critic):
+   it is re-armed.
+4. Unless the caller takes the fast clipping path, the gradients are unscaled (and checked)
+   before the hooks, so that the hooks see unscaled gradients.
+5. The hooks run (``on_before_optimizer_step``, clipping).
+6. If a hook could have changed the gradients after the check, one read-only pass checks them
+   again (a norm clip checked them already).
+7. :meth:`LossScaler.step` steps, unless a gradient (or the loss) was inf/NaN: non-fused
+   optimizers are skipped on the host after one read of the flag, fused ones inside their kernel.
+8. The scale is updated (once per batch: in manual optimization after every optimizer's step).
+
+Every precision runs this with a :class:`~amp_plugin.LossScaler`: fp16 with a loss-scaling one,
+bf16/fp32 and the "-true" precisions with a guard (a static scale of 1, which scales nothing and
+checks the gradients read-only). The driver keeps the skip flag that the scaler already read (or
+the device flag, for fused optimizers) so that schedulers and monitors never read it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from amp_plugin.optim import unwrap_optimizer
+from amp_plugin.scaler import LossScaler
+
+__all__ = ["StepDriver"]
+
+Skip = bool | Tensor  # a host bool where the scaler read the flag, else the device flag (> 0: skipped)
+
+
+class StepDriver:
+    """Runs one optimizer step in the guarded order; remembers which steps were skipped.
+
+    Args:
+        scaler: the loss scaler or guard that checks and skips; ``None`` runs the steps unguarded
+            (only where the user turned the guard off).
+        before_step: called with the real optimizer before anything reads its gradients
+            (e.g. moving half gradients into fp32 master weights).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> driver = StepDriver(LossScaler("cpu", init_scale=1.0, dynamic=False))  # a guard
+        >>> for value in (1.0, float("nan")):
+        ...     loss = driver.scaler.scale(model(torch.full((1, 2), value)).sum())
+        ...     loss.backward()
+        ...     _ = driver.step(opt, lambda: False)
+        ...     opt.zero_grad()
+        >>> driver.last_step_skipped, driver.scaler.skipped_steps, driver.scaler.total_steps
+        (True, 1, 2)
+    """
+
+    def __init__(self, scaler: LossScaler | None, before_step: Callable[[Any], None] | None = None) -> None:
+        self.scaler = scaler
+        self.before_step = before_step
+        self._skips: dict[int, Skip] = {}  # id(real optimizer) -> whether its latest step was skipped
+        self._last: Skip | None = None  # the latest step's flag, until the batch's scale update
+        self._stepped_since_backward: set[int] = set()  # optimizers that may not step again yet
+        self._stepped_in_batch = False
+
+    def backward_done(self) -> None:
+        """A backward ran: every optimizer may step (again) on its gradients."""
+        self._stepped_since_backward.clear()
+
+    def not_stepped(self, optimizer: Any, run_hooks: Callable[[], Any]) -> None:
+        """``training_step`` returned ``None``: run the hooks; nothing steps; the batch counts as skipped."""
+        opt = unwrap_optimizer(optimizer)
+        run_hooks()
+        if self.scaler is not None:
+            self.scaler._forget(opt)  # nothing of this batch may be taken for the next one's state
+        self._record(opt, True)
+
+    def step(
+        self,
+        optimizer: Any,
+        run_hooks: Callable[[], bool],
+        *,
+        observe_unscaled: bool = True,
+        update: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """Step ``optimizer`` unless its gradients (or the loss) are inf/NaN; return the step's result.
+
+        Args:
+            optimizer: the optimizer (a wrapper is unwrapped once, here).
+            run_hooks: runs what may look at or change the gradients before the step (hooks,
+                clipping); returns whether it clipped by norm (that computed a fresh inf check).
+            observe_unscaled: unscale before ``run_hooks``, so that they see unscaled gradients,
+                and check again after them; ``False`` is the fast clipping path.
+            update: update the scale now (automatic optimization); ``False`` waits for
+                :meth:`end_batch` (manual optimization, several optimizers per batch).
+            kwargs: passed on to ``optimizer.step``.
+        """
+        opt = unwrap_optimizer(optimizer)
+        if self.before_step is not None:
+            self.before_step(opt)
+        scaler = self.scaler
+        if scaler is None:
+            run_hooks()
+            return optimizer.step(**kwargs)
+        self._arm(scaler, opt)
+        if observe_unscaled and scaler.stage(opt) == "ready":
+            scaler.unscale_(opt)  # the hooks below see unscaled gradients
+        norm_clipped = run_hooks()
+        if observe_unscaled and not norm_clipped:
+            scaler.recheck_(opt)  # a hook may have written inf/NaN after unscale_
+        result = scaler.step(optimizer, **kwargs)
+        flag = scaler.step_skipped(opt)
+        self._record(opt, False if flag is None else flag)
+        if update:
+            self._update()
+        else:
+            self._stepped_in_batch = True
+        return result
+
+    def end_batch(self) -> None:
+        """Close a batch of manual optimization: one scale update after all of its steps."""
+        if self._stepped_in_batch:
+            self._stepped_in_batch = False
+            self._update()
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest step was skipped; after the batch's update, whether any step of it was."""
+        if self._last is not None:
+            return bool(self._last)  # a device flag is read here, on request only
+        return self.scaler is not None and self.scaler.last_step_skipped
+
+    def step_skipped(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
+        flag = self._skips.get(id(unwrap_optimizer(optimizer)))
+        return flag is not None and bool(flag)
+
+    def _record(self, opt: Any, skipped: Skip) -> None:
+        self._skips[id(opt)] = self._last = skipped
+
+    def _update(self) -> None:
+        if self.scaler is not None:
+            self.scaler.update()
+        self._last = None  # from here on last_step_skipped describes the whole batch
+
+    def _arm(self, scaler: LossScaler, opt: Any) -> None:
+        """Let manual optimization step an optimizer again in a batch (a WGAN critic), after a backward."""
+        key = id(opt)
+        if scaler.stage(opt) == "stepped":
+            if key in self._stepped_since_backward:
+                raise RuntimeError(
+                    f"{type(opt).__name__} was stepped twice in one training_step with no backward in "
+                    "between, under a loss scaler or guard: the first step used the gradients. HINT: "
+                    "call manual_backward (and zero_grad) before each step of the same optimizer."
+                )
+            scaler._rearm(opt)  # skipped on its own gradients; one scale update per batch
+        self._stepped_since_backward.add(key)
