@@ -50,7 +50,18 @@ class SkipStreakWarning(RuntimeWarning):
 
     Said once per scaler (or guard), when :data:`STREAK_WARNING_AT` iterations in a row were
     skipped (noticed at once where the step read the flag, else at the next check, every 100
-    updates), in every precision, with or without ``LossScaleMonitor``.
+    updates), in every precision, unless ``LossScaleMonitor`` reports the run instead.
+
+    Example:
+        >>> import warnings
+        >>> s = DynamicScale(1.0, 2.0, 0.5, 2000, dynamic=False)  # a guard's static scale of 1
+        >>> _ = s.ensure(torch.device("cpu"))
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     for _ in range(STREAK_WARNING_AT):
+        ...         s.update_(torch.tensor(1.0), skipped=True)
+        >>> [type(w.message).__name__ for w in caught]
+        ['SkipStreakWarning']
     """
 
 
@@ -103,6 +114,8 @@ class DynamicScale:
         self._streak_on_device: Tensor | None = None  # the same, where flags were not read (fused steps)
         self._longest_on_device: Tensor | None = None
         self._streak_reported = False
+        # skipped_steps as last known on the host; exact while every update's flag was read on the host.
+        self.skipped_seen, self._seen_exact = 0, True
 
     @property
     def floor(self) -> float:
@@ -140,9 +153,15 @@ class DynamicScale:
             self.skipped += self.last_inf
         self.total_steps += 1
         self._count_streak(skipped)
+        if skipped is None:
+            self._seen_exact = False  # skipped_seen lags until the next read
+        elif self._seen_exact:
+            self.skipped_seen += skipped  # counted on the host: no read needed
         if self.total_steps % _FLOOR_CHECK_EVERY == 0:
             self.report_floor()
             self._report_streak()
+            if not self._seen_exact:
+                self.skipped_steps()  # refresh skipped_seen: one read per 100 updates, fused steps only
 
     def _count_streak(self, skipped: bool | None) -> None:
         """Skipped iterations in a row: on the host where the flag was read, else on the device."""
@@ -193,8 +212,15 @@ class DynamicScale:
         return float(self.scale.item())
 
     def skipped_steps(self) -> int:
-        """Iterations closed with an inf/NaN flag."""
-        return self._start[2] if self.scale is None else int(self.skipped.item())
+        """Iterations closed with an inf/NaN flag (one host read, unless every flag was read already)."""
+        if self.scale is None:
+            return self._start[2]
+        if not self._seen_exact:
+            self._seen(int(self.skipped.item()))
+        return self.skipped_seen
+
+    def _seen(self, skipped: int) -> None:
+        self.skipped_seen, self._seen_exact = skipped, True
 
     def last_skipped(self) -> bool:
         """Whether the last closed iteration was skipped."""
@@ -206,6 +232,7 @@ class DynamicScale:
             return self._start
         values = torch.stack([self.growth_tracker.long(), self.hysteresis_tracker.long(), self.skipped])
         growth, hyst, skipped = values.tolist()
+        self._seen(skipped)
         return growth, hyst, skipped
 
     def state_dict(self) -> dict[str, Any]:
@@ -229,6 +256,7 @@ class DynamicScale:
         self.total_steps = int(sd.get("total_steps", 0))
         hyst = int(sd.get("_hysteresis_tracker", self.hysteresis))
         self._start = (int(sd["_growth_tracker"]), hyst, int(sd.get("skipped_steps", 0)))
+        self._seen(self._start[2])
         self._floor_reported = False
         if self.scale is not None:
             device, self.scale = self.scale.device, None

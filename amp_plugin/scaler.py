@@ -310,6 +310,15 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
         return self._policy.skipped_steps()
 
     @property
+    def skipped_steps_seen(self) -> int:
+        """:attr:`skipped_steps` as last known on the host, without a read.
+
+        Exact while every step read its inf flag (non-fused optimizers); with fused ones it lags
+        until the next read (of ``skipped_steps``, or the check every 100 updates).
+        """
+        return self._policy.skipped_seen if self._policy.scale is not None else self._policy._start[2]
+
+    @property
     def last_step_skipped(self) -> bool:
         """Whether the iteration closed by the last ``update()`` was skipped.
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from amp_plugin.optim import unwrap_optimizer
@@ -69,6 +70,8 @@ class StepDriver:
         self._last: Skip | None = None  # the latest step's flag, until the batch's scale update
         self._stepped_since_backward: set[int] = set()  # optimizers that may not step again yet
         self._stepped_in_batch = False
+        self._in_batch: list[Skip] = []  # the flags of this batch's steps, until its scale update
+        self._batch: Skip = False  # whether the last updated batch skipped a step
 
     def backward_done(self) -> None:
         """A backward ran: every optimizer may step (again) on its gradients."""
@@ -134,21 +137,39 @@ class StepDriver:
     @property
     def last_step_skipped(self) -> bool:
         """Whether the latest step was skipped; after the batch's update, whether any step of it was."""
-        if self._last is not None:
-            return bool(self._last)  # a device flag is read here, on request only
-        return self.scaler is not None and self.scaler.last_step_skipped
+        return bool(self.last_skip)  # a device flag is read here, on request only
 
     def step_skipped(self, optimizer: Any) -> bool:
         """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
         flag = self._skips.get(id(unwrap_optimizer(optimizer)))
         return flag is not None and bool(flag)
 
+    def known_skip(self, optimizer: Any) -> bool | None:
+        """:meth:`step_skipped` where it is known without a host read; ``None`` for a fused step's flag."""
+        flag = self._skips.get(id(unwrap_optimizer(optimizer)), False)
+        return flag if isinstance(flag, bool) else None
+
+    @property
+    def last_skip(self) -> Skip:
+        """:attr:`last_step_skipped` without a host read: a bool, or a 0-dim device flag (> 0: skipped)."""
+        if self._last is not None:
+            return self._last
+        return self._batch
+
     def _record(self, opt: Any, skipped: Skip) -> None:
         self._skips[id(opt)] = self._last = skipped
+        self._in_batch.append(skipped)
 
     def _update(self) -> None:
         if self.scaler is not None:
             self.scaler.update()
+        flags, self._in_batch = self._in_batch, []
+        if all(isinstance(f, bool) for f in flags):
+            self._batch = any(flags)
+        elif len(flags) == 1:
+            self._batch = flags[0]
+        else:  # one device op per batch; nothing is read
+            self._batch = torch.stack([torch.as_tensor(f, dtype=torch.float32) for f in flags]).amax()
         self._last = None  # from here on last_step_skipped describes the whole batch
 
     def _arm(self, scaler: LossScaler, opt: Any) -> None:

@@ -20,10 +20,12 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from torch import Tensor
 from typing_extensions import override
 
 from amp_plugin import diagnostics
@@ -107,6 +109,7 @@ class LossScaleMonitor(Callback):
         self._published = -1  # the progress count at which amp/* last went into callback_metrics
         self._unguarded = False  # the plugin's guard is off: nothing is skipped, so nothing is "clean"
         self._quieted: LossScaler | None = None  # the guard whose own warnings the monitor speaks for
+        self._pending: list[tuple[int, Tensor]] = []  # fused steps' skip flags, read at the next logged step
 
     # -- what users read ----------------------------------------------------------------------
 
@@ -242,8 +245,29 @@ class LossScaleMonitor(Callback):
         plugin = self._require_plugin()
         if self._progress_count(trainer) == self._progress:
             return  # accumulating gradients (or no step at all): nothing happened to the scaler
-        skipped = plugin.last_step_skipped  # the one host sync per step (none for bf16)
+        flag = plugin.last_skip  # a bool where the step read it (non-fused); else the device flag
         sample = _compat.should_update_logs(trainer)
+        epoch_done = _compat.epoch_training_done(trainer)
+        if isinstance(flag, Tensor) and not (sample or epoch_done or self._tracer is not None):
+            # A fused step skipped (or not) on the device: read it with the next logged step's, at once.
+            self._pending.append((trainer.global_step, flag))
+            return
+        steps = [*self._pending, (trainer.global_step, flag)]
+        self._pending = []
+        flags = _read_flags([f for _, f in steps])
+        for (step, _), skipped in zip(steps[:-1], flags, strict=False):
+            self._observe(plugin, pl_module, trainer, step, skipped, sample=False)
+        self._observe(plugin, pl_module, trainer, trainer.global_step, flags[-1], sample)
+        if self._tracer is not None:
+            self._tracer.reset()
+        if epoch_done:
+            self._publish_if_stale(trainer)  # EarlyStopping and ModelCheckpoint look at the epoch's end
+
+    def _observe(
+        self, plugin: AMPPrecision, pl_module: LightningModule, trainer: Trainer, step: int, skipped: bool,
+        sample: bool,
+    ) -> None:  # fmt: skip
+        """Judge one optimizer step (this batch's, or a fused step read late); log it if ``sample``."""
         scaler = plugin.scaler
         scale = scaler.get_scale() if scaler is not None and (skipped or sample) else None
         verdict = self._health.observe(skipped, scale)
@@ -252,9 +276,9 @@ class LossScaleMonitor(Callback):
         # Unguarded steps never skip: what the tracer saw is the news.
         incident = skipped or (plugin.guard is None and seen)
         if incident or sample:
-            norm = plugin.last_grad_norm
+            norm = plugin.last_grad_norm if sample else None
             record = ScaleRecord(
-                trainer.global_step,
+                step,
                 math.nan if scale is None else scale,
                 self._health.skipped,
                 math.nan if norm is None else float(norm.item()),
@@ -268,10 +292,6 @@ class LossScaleMonitor(Callback):
             self._named_first_incident |= incident
             forensics = first or (incident and _is_pathological(verdict))  # no inf/NaN to name otherwise
             self._announce(pl_module, verdict, forensics)
-        if self._tracer is not None:
-            self._tracer.reset()
-        if _compat.epoch_training_done(trainer):
-            self._publish_if_stale(trainer)  # EarlyStopping and ModelCheckpoint look at the epoch's end
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -308,9 +328,13 @@ class LossScaleMonitor(Callback):
 
     def _publish(self, trainer: Trainer, record: ScaleRecord, log: bool) -> None:
         """Put ``record``'s metrics into ``callback_metrics`` (every rank) and, if ``log``, the loggers."""
-        scaler = self._require_plugin().scaler
-        # The scaler's skip count is the truth (it survives a resume); bf16's guard is counted by the monitor.
-        skipped = self._health.skipped if scaler is None else scaler.skipped_steps
+        plugin = self._require_plugin()
+        scaler, guard = plugin.scaler, plugin.guard
+        # The guard's count, read here (free where the steps read their flags), is what a fused
+        # optimizer's scheduler hold waits for. fp16's survives a resume, so it is the one published;
+        # bf16's guard starts afresh, so the monitor's own count (restored with it) is.
+        guard_skipped = None if guard is None else guard.skipped_steps
+        skipped = self._health.skipped if scaler is None or guard_skipped is None else guard_skipped
         metrics = amp_metrics(scaler, record.scale, skipped, self._health.skip_rate, record.grad_norm,
                               _clipping(trainer))  # fmt: skip
         publish(trainer, metrics)
@@ -415,3 +439,12 @@ def _clipping(trainer: Trainer) -> tuple[GradClipAlgorithmType, float] | None:
 
 def _is_pathological(verdict: HealthVerdict | None) -> bool:
     return verdict is not None and verdict.state == "pathological"
+
+
+def _read_flags(flags: list[bool | Tensor]) -> list[bool]:
+    """The skip flags as bools, with one host read for all device flags among them (none if none)."""
+    device = next((f.device for f in flags if isinstance(f, Tensor)), None)
+    if device is None:
+        return [bool(f) for f in flags]
+    values = torch.stack([torch.as_tensor(f, dtype=torch.float32, device=device) for f in flags])
+    return [v > 0 for v in values.tolist()]

@@ -409,6 +409,21 @@ class AMPPrecision(CheckpointHooks, MixedPrecision):
         """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
         return self._driver is not None and self._driver.step_skipped(optimizer)
 
+    def known_skip(self, optimizer: Any) -> bool | None:
+        """:meth:`step_skipped` where the step already read it on the host; ``None`` for a fused step."""
+        return False if self._driver is None else self._driver.known_skip(optimizer)
+
+    @property
+    def last_skip(self) -> bool | Tensor:
+        """:attr:`last_step_skipped` without a host read: a bool, or a 0-dim device flag (> 0: skipped)."""
+        return False if self._driver is None else self._driver.last_skip
+
+    @property
+    def skipped_steps_seen(self) -> int:
+        """The guard's skipped steps as last known on the host (see :attr:`LossScaler.skipped_steps_seen`)."""
+        guard = self.guard
+        return 0 if guard is None else guard.skipped_steps_seen
+
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor

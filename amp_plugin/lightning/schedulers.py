@@ -25,6 +25,11 @@ class _StepSkips(Protocol):
 
     def step_skipped(self, optimizer: Any) -> bool: ...
 
+    def known_skip(self, optimizer: Any) -> bool | None: ...
+
+    @property
+    def skipped_steps_seen(self) -> int: ...
+
 
 class SkipAwareScheduler:
     """A step-interval LR scheduler that holds still when the optimizer step was skipped.
@@ -50,8 +55,9 @@ class SkipAwareScheduler:
         >>> scheduler.get_last_lr()
         [0.5]
         >>> class Skipped:  # what AMPPrecision says after an overflow
-        ...     lr_on_skip, last_step_skipped = "hold", True
+        ...     lr_on_skip, last_step_skipped, skipped_steps_seen = "hold", True, 0
         ...     def step_skipped(self, optimizer): return True
+        ...     def known_skip(self, optimizer): return True
         >>> held = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), Skipped())
         >>> held.step(); held.get_last_lr()
         [0.5]
@@ -60,15 +66,32 @@ class SkipAwareScheduler:
     def __init__(self, scheduler: Any, plugin: _StepSkips) -> None:
         self.__dict__["_scheduler"] = scheduler
         self.__dict__["_plugin"] = plugin
+        self.__dict__["_held"] = plugin.skipped_steps_seen  # skips before this wrapper are not its own
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        """Step the wrapped scheduler unless its optimizer's step was skipped and the plugin holds."""
+        """Step the wrapped scheduler unless its optimizer's step was skipped and the plugin holds.
+
+        Where the step read its skip flag (non-fused optimizers) the hold is exact. A fused
+        optimizer skips on the device and nothing is read for it: the wrapper then holds one step
+        for each skip the plugin has counted on the host since (a monitor's logging step, or the
+        check every 100 steps), so the schedule takes as many steps as the optimizer, a few steps late.
+        """
         optimizer = getattr(self._scheduler, "optimizer", None)
         plugin = self._plugin
-        if not (plugin.last_step_skipped if optimizer is None else plugin.step_skipped(optimizer)):
-            self._scheduler.step(*args, **kwargs)
+        known = plugin.known_skip(optimizer) if optimizer is not None else plugin.last_step_skipped
+        if plugin.lr_on_skip == "advance":
+            self._advance(bool(known), *args, **kwargs)  # a fused step called optimizer.step(): no warning
             return
-        if plugin.lr_on_skip == "hold":
+        if known is None:  # a fused step: hold for the skips counted since, without reading the flag
+            known = plugin.skipped_steps_seen > self.__dict__["_held"]
+        if known:
+            self.__dict__["_held"] += 1
+            return
+        self._scheduler.step(*args, **kwargs)
+
+    def _advance(self, skipped: bool, *args: Any, **kwargs: Any) -> None:
+        if not skipped:
+            self._scheduler.step(*args, **kwargs)
             return
         with warnings.catch_warnings():  # the skip is why optimizer.step() never ran
             warnings.filterwarnings("ignore", message=_SCHEDULER_WARNING)

@@ -31,6 +31,12 @@ class _Plugin:
         self.asked.append(optimizer)
         return self.skipped
 
+    def known_skip(self, optimizer: Any) -> bool | None:
+        self.asked.append(optimizer)
+        return self.skipped
+
+    skipped_steps_seen = 0
+
 
 def _optimizer() -> torch.optim.Optimizer:
     return torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
@@ -108,3 +114,23 @@ def test_the_wrapper_copies_and_pickles_with_its_plugin(how: str) -> None:
     clone.optimizer.step()
     clone.step()  # still a working scheduler
     assert clone.last_epoch == 1
+
+
+class _FusedPlugin(_Plugin):
+    """A fused optimizer: its skip flag stays on the device; skips become known when counted."""
+
+    def known_skip(self, optimizer: Any) -> bool | None:
+        return None
+
+
+def test_with_a_fused_optimizer_the_scheduler_holds_once_per_counted_skip_without_reading() -> None:
+    plugin = _FusedPlugin(skipped=False)
+    scheduler = _wrapped(plugin)
+    scheduler.step()  # nothing counted: it steps
+    assert scheduler.last_epoch == 1
+    plugin.skipped_steps_seen = 2  # a logging step read the count: two steps were skipped since
+    scheduler.step()
+    scheduler.step()
+    assert scheduler.last_epoch == 1  # held twice, late
+    scheduler.step()
+    assert scheduler.last_epoch == 2
