@@ -1,8 +1,11 @@
 """fp32 master weights for a model whose parameters are held in fp16 or bf16 (Apex's O2).
 
 :func:`cast_model` casts a model to a half dtype in place (normalization layers kept in fp32
-by default) and returns a :class:`MasterWeights`: an fp32 copy of every trainable half
-parameter, made from the original fp32 values, so nothing is rounded away at the start.
+by default) and returns a :class:`MasterWeights`: an fp32 copy of every trainable parameter it
+casts, made from the values the model held (fp32 ones are not rounded; a model that was already
+half gets fp32 copies of its half values, as in Apex's O2). While the masters exist, the model's
+``state_dict()`` reports their fp32 values and its ``load_state_dict`` writes into them, so every
+checkpoint of the model (full, weights-only, a user's own) holds what the optimizer steps.
 :meth:`MasterWeights.attach` hands those copies to an optimizer in place of the half ones, so
 the optimizer, its state and any loss scaler only ever see fp32 tensors. Per step:
 
@@ -18,6 +21,7 @@ torch: nothing here imports Lightning.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,16 +33,51 @@ from torch.utils.hooks import RemovableHandle
 from amp_plugin._validation import fail
 from amp_plugin.optim import unwrap_optimizer
 
-__all__ = ["NORM_LAYERS", "MasterWeights", "cast_model", "check_half_dtype"]
+__all__ = ["NORM_LAYERS", "MasterWeights", "NormLayer", "cast_model", "check_half_dtype", "masters_of"]
 
-#: Layers whose parameters and buffers :func:`cast_model` keeps in fp32 by default.
-NORM_LAYERS: tuple[type[nn.Module], ...] = (
+_TORCH_NORMS: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
     nn.LayerNorm,
     nn.GroupNorm,
     nn.LocalResponseNorm,
     nn.RMSNorm,
 )
+# LlamaRMSNorm, T5LayerNorm, timm's LayerNorm2d / RmsNorm / BatchNormAct2d, GroupNorm32, FrozenBatchNorm2d.
+_NORM_NAME = re.compile(r"norm(act)?(\d+d?)?$", re.IGNORECASE)
+
+
+class _NormLayerMeta(type):
+    def __instancecheck__(cls, instance: object) -> bool:
+        if isinstance(instance, _TORCH_NORMS):
+            return True
+        if not isinstance(instance, nn.Module) or not _NORM_NAME.search(type(instance).__name__):
+            return False
+        # A wrapper named like a norm layer (PreNorm, AdaLayerNorm) holds real layers: not a norm layer.
+        return not any(True for child in instance.children() for _ in child.parameters())
+
+
+class NormLayer(nn.Module, metaclass=_NormLayerMeta):
+    """Matches every normalization layer in ``isinstance`` (and so in ``keep_fp32=``); never instantiated.
+
+    A module is a normalization layer if it is one of torch's (``BatchNorm*``, ``InstanceNorm*``,
+    ``SyncBatchNorm``, ``LayerNorm``, ``GroupNorm``, ``LocalResponseNorm``, ``RMSNorm``), or if
+    its class name ends in ``Norm``, optionally followed by ``Act`` and a dimension suffix
+    (``LlamaRMSNorm``, ``T5LayerNorm``, timm's ``LayerNorm2d`` and ``BatchNormAct2d``,
+    ``GroupNorm32``), and no submodule of it holds parameters: its parameters are its own
+    scales and shifts. A wrapper such as ``PreNorm(norm, fn)`` is not one; its norm is.
+
+    Example:
+        >>> class LlamaRMSNorm(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.ones(4))
+        >>> isinstance(LlamaRMSNorm(), NormLayer), isinstance(nn.Linear(2, 2), NormLayer)
+        (True, False)
+    """
+
+
+#: What :func:`cast_model` keeps in fp32 by default: every normalization layer (see :class:`NormLayer`).
+NORM_LAYERS: tuple[type[nn.Module], ...] = (NormLayer,)
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -83,6 +122,23 @@ class MasterWeights:
         self.names = {id(master): names.get(id(half), []) for half, master in self._pairs}
         self.dtype = self._pairs[0][0].dtype if self._pairs else torch.float16
         self._attached: dict[int, tuple[Optimizer, list[RemovableHandle], Any]] = {}
+        self._module_hooks: list[RemovableHandle] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A deep copy or pickle of the model copies its masters through the state_dict hooks; the
+        # id-keyed tables are rebuilt for the copies, and a copy is attached to no optimizer.
+        names = [self.names[id(master)] for _, master in self._pairs]
+        return {"pairs": self._pairs, "names": names, "hooks": self._module_hooks}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        pairs = state["pairs"]
+        names = {id(half): names for (half, _), names in zip(pairs, state["names"], strict=True)}
+        self.__init__(pairs, names)  # type: ignore[misc]
+        self._module_hooks = state["hooks"]
+
+    def master_of(self, param: Tensor) -> nn.Parameter | None:
+        """The fp32 master of the model parameter ``param``, ``None`` if it has none."""
+        return self._master_of.get(id(param))
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -202,52 +258,95 @@ class MasterWeights:
             else:
                 half.grad.detach_().zero_()
 
-    # -- checkpoints -----------------------------------------------------------------------------
+    # -- the model's state_dict ------------------------------------------------------------------
 
-    def fp32_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` (the model's) with each half parameter replaced by its fp32 master.
+    def hook(self, module: nn.Module) -> None:
+        """Make ``module.state_dict()`` report the fp32 masters and ``load_state_dict`` fill them.
 
-        Such a checkpoint is an ordinary fp32 one: it loads into the fp32 model, and a resume
-        through :func:`cast_model` restores the masters exactly.
+        :func:`cast_model` calls this on the module it cast, so a checkpoint of the model (full or
+        weights-only, Lightning's or a user's own) holds the fp32 values, an ordinary fp32
+        ``state_dict``. Loading one checks the masters' entries first (``ValueError``, nothing
+        changed), then copies them into the masters; torch copies them (rounded) into the half
+        parameters. Undo with :meth:`unhook`.
         """
-        out = dict(state_dict)
-        masters = self._masters_by_id()
-        for master_id, names in self.names.items():
-            master = masters[master_id]
-            for name in names:
-                if name in out:
-                    out[name] = master.detach().clone()
-        return out
+        self.unhook()
+        hooks = _ModuleHooks(self)
+        self._module_hooks = [
+            module.register_state_dict_post_hook(hooks),
+            module.register_load_state_dict_pre_hook(hooks.load),
+        ]
 
-    def check_fp32_state_dict(self, state_dict: dict[str, Any]) -> list[tuple[nn.Parameter, Tensor]]:
+    def unhook(self) -> None:
+        """Undo :meth:`hook`: the module's ``state_dict`` reports its half parameters again."""
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks = []
+
+    def check_fp32_state_dict(
+        self, state_dict: dict[str, Any], prefix: str = ""
+    ) -> list[tuple[nn.Parameter, Tensor]]:
         """Raise ``ValueError`` if a master's entry in ``state_dict`` is not a tensor of its shape.
 
-        Returns the (master, value) pairs :meth:`load_fp32_state_dict` copies; changes nothing.
+        Returns the (master, value) pairs a load copies; changes nothing. A missing entry is left
+        out (``load_state_dict`` reports missing keys itself).
         """
         updates: list[tuple[nn.Parameter, Tensor]] = []
-        masters = self._masters_by_id()
-        for master_id, names in self.names.items():
-            master = masters[master_id]
-            value = next((state_dict[n] for n in names if n in state_dict), None)
+        for _, master in self._pairs:
+            names = self.names[id(master)]
+            value = next((state_dict[prefix + n] for n in names if prefix + n in state_dict), None)
             if value is None:
                 continue
             if not isinstance(value, Tensor) or value.shape != master.shape:
-                fail("MasterWeights.load_fp32_state_dict", f"{names[0]}={_describe(value)}",
+                fail("MasterWeights.load_state_dict", f"{prefix}{names[0]}={_describe(value)}",
                      f"a tensor of shape {tuple(master.shape)}",
                      "load a checkpoint of this model.")  # fmt: skip
             updates.append((master, value))
         return updates
 
     @torch.no_grad()
-    def load_fp32_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy the fp32 values of ``state_dict`` into the masters and the model; a key that is
-        missing leaves its master as it is. Every entry is checked before anything is copied."""
-        for master, value in self.check_fp32_state_dict(state_dict):
-            master.copy_(value)
-            self._half_of[id(master)].copy_(value)
+    def _report(self, state_dict: dict[str, Any], prefix: str) -> None:
+        for _, master in self._pairs:
+            for name in self.names[id(master)]:
+                key = prefix + name
+                if key in state_dict:  # a Parameter there means state_dict(keep_vars=True)
+                    state_dict[key] = master if isinstance(state_dict[key], nn.Parameter) else master.detach()
 
-    def _masters_by_id(self) -> dict[int, nn.Parameter]:
-        return {id(m): m for _, m in self._pairs}
+    @torch.no_grad()
+    def _load(self, state_dict: dict[str, Any], prefix: str) -> None:
+        for master, value in self.check_fp32_state_dict(state_dict, prefix):
+            master.copy_(value)
+
+
+class _ModuleHooks:
+    """The state_dict hooks :meth:`MasterWeights.hook` registers (an object, so a deep copy of
+    the model gets hooks that report the copy's own masters)."""
+
+    def __init__(self, masters: MasterWeights) -> None:
+        self.masters = masters
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
+        self.masters._report(state_dict, prefix)
+
+    def load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        self.masters._load(state_dict, prefix)
+
+
+def masters_of(module: nn.Module) -> MasterWeights | None:
+    """The :class:`MasterWeights` whose fp32 values ``module.state_dict()`` reports, if any.
+
+    Example:
+        >>> model = nn.Linear(2, 2)
+        >>> masters_of(model) is None
+        True
+        >>> masters = cast_model(model, torch.float16)
+        >>> masters_of(model) is masters
+        True
+    """
+    found = None
+    for hook in module._state_dict_hooks.values():  # the latest registration is the one that reports
+        if isinstance(hook, _ModuleHooks):
+            found = hook.masters
+    return found
 
 
 def _describe(value: object) -> str:
@@ -257,10 +356,10 @@ def _describe(value: object) -> str:
 
 
 def _kept(module: nn.Module, keep: tuple[type[nn.Module], ...]) -> set[int]:
-    """ids of every module under an instance of ``keep`` (their tensors stay as they are)."""
+    """ids of every module under an instance of ``keep`` (their tensors are held in fp32)."""
     kept: set[int] = set()
     for sub in module.modules():
-        if isinstance(sub, keep):
+        if id(sub) not in kept and isinstance(sub, keep):
             kept.update(id(m) for m in sub.modules())
     return kept
 
@@ -272,13 +371,19 @@ def cast_model(
     keep_fp32: Sequence[type[nn.Module]] = NORM_LAYERS,
     master_weights: bool = True,
 ) -> MasterWeights:
-    """Cast ``module``'s floating parameters and buffers to ``dtype`` in place; return the masters.
+    """Cast ``module``'s floating parameters and persistent buffers to ``dtype`` in place; return the masters.
 
     Parameters keep their identity (only ``.data`` changes), so tied weights stay tied and a
-    model that was already handed to an optimizer stays consistent. Submodules that are
-    instances of ``keep_fp32`` (normalization layers by default; ``()`` casts everything)
-    keep their tensors. fp64 tensors are left alone. With ``master_weights=False`` nothing is
-    kept in fp32 beyond ``keep_fp32`` (pure half weights) and the result is empty.
+    model that was already handed to an optimizer stays consistent. Every trainable parameter
+    that is cast gets an fp32 master: a copy of its fp32 values, or of its half values if the
+    model was half already, or the values of the masters an earlier ``cast_model`` of the same
+    model made (those are retired). Frozen parameters (``requires_grad=False``) are cast
+    without a master. Submodules that are instances of ``keep_fp32`` (normalization layers by
+    default, see :class:`NormLayer`; ``()`` casts everything) hold fp32 tensors: half ones are
+    cast up. fp64 tensors and non-persistent buffers (precomputed tables such as rotary
+    ``inv_freq``, which are not in the ``state_dict``) are left as they are. With
+    ``master_weights=False`` the result is empty (pure half weights). With masters,
+    ``module.state_dict()`` reports them from now on (:meth:`MasterWeights.hook`).
 
     Raises:
         TypeError: ``module`` is not a module, ``dtype`` is not fp16/bf16, or ``keep_fp32`` is
@@ -289,6 +394,8 @@ def cast_model(
         >>> masters = cast_model(model, torch.bfloat16)
         >>> model[0].weight.dtype, model[1].weight.dtype, model[1].running_mean.dtype, len(masters)
         (torch.bfloat16, torch.float32, torch.float32, 2)
+        >>> model.state_dict()["0.weight"].dtype  # the fp32 master
+        torch.float32
     """
     from amp_plugin.fp32_policy import check_module_classes
 
@@ -297,30 +404,42 @@ def cast_model(
     dtype = check_half_dtype("cast_model", dtype)
     keep = check_module_classes(keep_fp32, "cast_model", "keep_fp32")
     kept = _kept(module, keep)
+    previous = masters_of(module)
     names: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
     seen: set[int] = set()
     for sub in module.modules():
-        if id(sub) in kept:
-            continue
+        target = torch.float32 if id(sub) in kept else dtype
         for maybe in sub._parameters.values():
             if maybe is None or id(maybe) in seen or not _castable(maybe):
                 continue
             param = maybe
             seen.add(id(param))
-            original = param.data
-            param.data = original.to(dtype)
-            if param.grad is not None:
-                param.grad = param.grad.to(dtype)
-            if master_weights and param.requires_grad:
-                pairs.append((param, nn.Parameter(original, requires_grad=True)))
+            earlier = previous.master_of(param) if previous is not None else None
+            original = earlier.data if earlier is not None else param.data
+            _cast_(param, original, target)
+            if master_weights and param.requires_grad and target != torch.float32:
+                pairs.append((param, nn.Parameter(original.float(), requires_grad=True)))
         for key, buf in sub._buffers.items():
-            if buf is not None and _castable(buf):
-                sub._buffers[key] = buf.to(dtype)
-    return MasterWeights(pairs, names)
+            if buf is not None and _castable(buf) and key not in sub._non_persistent_buffers_set:
+                sub._buffers[key] = buf.to(target)
+    if previous is not None:
+        previous.detach()
+        previous.unhook()
+    masters = MasterWeights(pairs, names)
+    if pairs:
+        masters.hook(module)
+    return masters
+
+
+def _cast_(param: nn.Parameter, values: Tensor, dtype: torch.dtype) -> None:
+    if param.dtype != dtype or values is not param.data:
+        param.data = values.to(dtype)
+        if param.grad is not None and param.grad.dtype != dtype:
+            param.grad = param.grad.to(dtype)
 
 
 def _castable(tensor: Tensor) -> bool:
-    return tensor.is_floating_point() and tensor.dtype not in (torch.float64, *_HALF)
+    return tensor.is_floating_point() and tensor.dtype != torch.float64

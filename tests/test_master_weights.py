@@ -241,40 +241,158 @@ def test_every_norm_layer_class_is_kept() -> None:
 # ---------------------------------------------------------------- checkpoints
 
 
-def test_fp32_state_dict_round_trip_restores_masters_exactly() -> None:
+def test_attach_refuses_a_non_optimizer() -> None:
+    masters = cast_model(_model(), torch.float16)
+    with pytest.raises(TypeError, match=r"Expected a torch.optim.Optimizer.*got object.*HINT"):
+        masters.attach(object())
+
+
+# ---------------------------------------------------------------- half models, state_dict, norm layers
+
+
+def test_a_half_model_gets_fp32_masters_made_from_its_half_values() -> None:
+    model = _model().half()  # model.half(), or a Hugging Face model created in fp16
+    halves = {n: p.detach().clone() for n, p in model.named_parameters()}
+    masters = cast_model(model, torch.float16)
+    assert len(masters) == 4  # every trainable parameter outside the norm layers
+    by_name = {names[0]: m for m, names in zip(masters.masters(), masters.names.values(), strict=True)}
+    for name, master in by_name.items():
+        assert master.dtype == torch.float32 and torch.equal(master, halves[name].float()), name
+    assert model[1].weight.dtype == torch.float32 and model[4].running_var.dtype == torch.float32
+
+
+def test_adamw_on_a_half_model_with_masters_stays_finite() -> None:
+    model = _model().half()
+    masters = cast_model(model, torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # eps=1e-8 is 0 in fp16; the masters are fp32
+    masters.attach(opt)
+    for _ in range(3):
+        _step(model, masters, opt, LossScaler("cpu"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert {p.dtype for g in opt.param_groups for p in g["params"]} == {torch.float32}
+
+
+def test_state_dict_reports_the_masters_and_load_state_dict_fills_them() -> None:
     model = _model()
     masters = cast_model(model, torch.float16)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     masters.attach(opt)
     for _ in range(3):
         _step(model, masters, opt)
-    state = masters.fp32_state_dict(model.state_dict())
-    assert state["0.weight"].dtype == torch.float32 and state["1.weight"].dtype == torch.float32
+    first = next(masters.masters())
+    state = model.state_dict()
+    assert state["0.weight"].dtype == torch.float32 and torch.equal(state["0.weight"], first)
+    assert not torch.equal(state["0.weight"], model[0].weight.float())  # more than fp16 holds
+    assert torch.equal(nn.Sequential(model).state_dict()["0.0.weight"], first)  # under a prefix too
+    assert model.state_dict(keep_vars=True)["0.weight"] is first
     fresh = _model()
     fresh.load_state_dict(state)  # an ordinary fp32 checkpoint
     resumed = cast_model(fresh, torch.float16)
-    for a, b in zip(masters.masters(), resumed.masters(), strict=True):
-        assert torch.equal(a, b)
-    other = cast_model(_model(), torch.float16)
-    other.load_fp32_state_dict(state)
-    for a, b in zip(masters.masters(), other.masters(), strict=True):
-        assert torch.equal(a, b)
+    other_model = _model()
+    other = cast_model(other_model, torch.float16)
+    other_model.load_state_dict(state)  # into the masters, and rounded into the fp16 model
+    for a, b, c in zip(masters.masters(), resumed.masters(), other.masters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(other_model[0].weight, model[0].weight)
 
 
-def test_loading_a_wrong_shape_raises_before_anything_changes() -> None:
+def test_loading_a_wrong_master_shape_raises_before_anything_changes() -> None:
     model = _model()
     masters = cast_model(model, torch.float16)
-    before = [m.detach().clone() for m in masters.masters()]
-    state = masters.fp32_state_dict(model.state_dict())
-    state["0.weight"] = state["0.weight"] + 1.0
+    before = [t.detach().clone() for t in (*masters.masters(), *model.parameters())]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["0.weight"] += 1.0
     state["3.weight"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match=r"3.weight=tensor of shape \(3, 3\).*shape \(2, 8\).*HINT"):
-        masters.load_fp32_state_dict(state)
-    for a, b in zip(before, masters.masters(), strict=True):
-        assert torch.equal(a, b)
+        model.load_state_dict(state)
+    after = [*masters.masters(), *model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
-def test_attach_refuses_a_non_optimizer() -> None:
-    masters = cast_model(_model(), torch.float16)
-    with pytest.raises(TypeError, match=r"Expected a torch.optim.Optimizer.*got object.*HINT"):
-        masters.attach(object())
+def test_a_second_cast_takes_the_fp32_values_of_the_first_and_replaces_it() -> None:
+    model = _model()
+    first = cast_model(model, torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    first.attach(opt)
+    for _ in range(3):
+        _step(model, first, opt)
+    first.detach()
+    values = [m.detach().clone() for m in first.masters()]
+    second = cast_model(model, torch.float16)  # a new plugin's second fit of the same model
+    assert all(torch.equal(a, b) for a, b in zip(values, second.masters(), strict=True))
+    with torch.no_grad():
+        next(second.masters()).add_(1.0)
+    assert torch.equal(model.state_dict()["0.weight"], next(second.masters()))  # the second one reports
+
+
+def test_a_deep_copy_reports_its_own_masters() -> None:
+    model = _model()
+    masters = cast_model(model, torch.float16)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        next(masters.masters()).add_(1.0)
+    assert not torch.equal(twin.state_dict()["0.weight"], model.state_dict()["0.weight"])
+
+
+def test_frozen_parameters_stay_half_in_the_state_dict() -> None:
+    model = _model()
+    model[0].weight.requires_grad_(False)  # a frozen base weight (LoRA): half, no master, saved as it is held
+    cast_model(model, torch.float16)
+    state = model.state_dict()
+    assert state["0.weight"].dtype == torch.float16 and torch.equal(state["0.weight"], model[0].weight)
+    assert state["0.bias"].dtype == torch.float32
+
+
+class LlamaRMSNorm(nn.Module):  # shaped like Hugging Face's: a 1-D weight, no torch norm base class
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+
+class T5LayerNorm(LlamaRMSNorm):
+    pass
+
+
+class BatchNormAct2d(nn.BatchNorm2d):  # timm's: a norm layer with an activation child
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.act = nn.ReLU()
+
+
+class GroupNorm32(nn.Module):  # a custom norm layer with a dimension suffix, weight and bias of its own
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(size)), nn.Parameter(torch.zeros(size))
+
+
+class PreNorm(nn.Module):  # named like a norm layer, but it wraps a real layer: only its norm stays fp32
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.norm, self.fn = nn.LayerNorm(size), nn.Linear(size, size)
+
+
+def test_norm_layers_are_recognised_by_what_they_are() -> None:
+    model = nn.ModuleDict({
+        "llama": LlamaRMSNorm(4), "t5": T5LayerNorm(4), "timm": BatchNormAct2d(4), "custom": GroupNorm32(4),
+        "pre": PreNorm(4), "linear": nn.Linear(4, 4),
+    })  # fmt: skip
+    masters = cast_model(model, torch.float16)
+    kept = {n: p.dtype for n, p in model.named_parameters()}
+    for name in ("llama.weight", "t5.weight", "timm.weight", "timm.bias", "custom.weight", "custom.bias",
+                 "pre.norm.weight", "pre.norm.bias"):  # fmt: skip
+        assert kept.pop(name) == torch.float32, name
+    assert model["timm"].running_mean.dtype == torch.float32
+    assert set(kept.values()) == {torch.float16}, kept  # pre.fn and linear
+    assert len(masters) == 4
+
+
+def test_non_persistent_buffers_stay_as_they_are() -> None:
+    model = nn.Linear(4, 4)
+    model.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 4, 2).float() / 4), persistent=False)
+    model.register_buffer("table", torch.ones(3))
+    cast_model(model, torch.bfloat16)
+    assert model.inv_freq.dtype == torch.float32  # rotary frequencies: rounding them shifts every position
+    assert model.table.dtype == torch.bfloat16

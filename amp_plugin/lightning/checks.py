@@ -15,9 +15,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 
-from amp_plugin import autocast, diagnostics, fp32_policy
+from amp_plugin import autocast, diagnostics, fp32_policy, master_weights
 from amp_plugin import precision as precisions
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
+from amp_plugin.diagnostics.audit import join_names
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import check_precision
 from amp_plugin.scaler import LossScaler
@@ -180,10 +181,12 @@ def check_fit_start(
 ) -> None:
     """Refuse a setup that would fail later (``ValueError``); warn about one that would mislead.
 
-    Refused: LBFGS under loss scaling, an ``eps`` that fp16 rounds to zero when the weights
-    and optimizer state are fp16 (``weights="half"``: a zero second moment would divide by zero
-    and write NaN into the weights), and the errors of
-    :func:`~amp_plugin.diagnostics.check_optimizer_setup`; its warnings, and a plain
+    Checked is what the optimizers will step. Refused: LBFGS under loss scaling; with master
+    weights (``weights="master"``), a trainable half parameter without an fp32 master (the
+    optimizer would step it, and its fp16 state, directly); an ``eps`` that fp16 rounds to zero
+    when the weights and optimizer state are fp16 (``weights="half"``: a zero second moment would
+    divide by zero and write NaN into the weights); and the errors of
+    :func:`~amp_plugin.diagnostics.check_optimizer_setup`. Its warnings, and a plain
     ``nn.DataParallel`` under bf16 (its replicas would run fp16), are warned about.
     ``weights`` is ``"fp32"``, ``"master"`` (fp32 masters) or ``"half"`` (a "-true" precision).
 
@@ -199,6 +202,8 @@ def check_fit_start(
         raise ValueError(LBFGS_REFUSAL)
     if dtype == torch.float32:
         return  # "32-true": no autocast, nothing mixed to check
+    if weights == "master":
+        _check_masters(model, optimizers)
     if weights == "half" and dtype == torch.float16:
         _check_fp16_eps(optimizers)
     # With master weights or "-true" precisions the half parameters are the plugin's own doing.
@@ -219,6 +224,28 @@ def check_fit_start(
             "amp_plugin.AutocastDataParallel instead.",
             stacklevel=5,
         )
+
+
+def _check_masters(model: nn.Module, optimizers: list[Optimizer]) -> None:
+    masters = master_weights.masters_of(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for i, optimizer in enumerate(optimizers):
+        opt = unwrap_optimizer(optimizer)
+        bare = [
+            p for group in opt.param_groups for p in group["params"]
+            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)
+            and (masters is None or masters.master_of(p) is None)
+        ]  # fmt: skip
+        if bare:
+            raise ValueError(
+                f"AMPPrecision(master_weights=True): optimizer {i} ({type(opt).__name__}) steps "
+                f"{len(bare)} {str(bare[0].dtype)[6:]} parameter(s) "
+                f"({join_names([names.get(id(p), '?') for p in bare])}) that have no fp32 master, so it "
+                "would update them, and keep their state, in half precision. Masters are made when the "
+                "model is cast (before configure_optimizers) for the parameters that require grad then. "
+                "HINT: set requires_grad before fit (in __init__ or configure_model), not in "
+                "configure_optimizers; or leave those parameters out of the optimizer."
+            )
 
 
 def _check_fp16_eps(optimizers: list[Optimizer]) -> None:

@@ -4,7 +4,9 @@
 :mod:`amp_plugin.rounded_updates`: it casts the LightningModule when the strategy asks the
 plugin to convert it (before DDP wraps it and before ``configure_optimizers``), hands the
 optimizers to the masters or the rounding hooks at ``connect``, moves gradients before each
-step, and keeps the fp32 values and the rounding generator in checkpoints.
+step, and keeps the rounding generator in checkpoints. The fp32 master values reach every
+checkpoint through the model's own ``state_dict`` (see :meth:`MasterWeights.hook`), weights-only
+ones included, for which Lightning asks the precision plugin nothing.
 """
 
 from __future__ import annotations
@@ -89,21 +91,30 @@ class HalfWeights:
             self.masters.grads_to_master(optimizer)
 
     def detach(self) -> None:
-        """Undo :meth:`attach` (the model stays in half precision)."""
+        """Undo :meth:`attach` (the model stays in half precision, its masters with it).
+
+        The rounding generators' states are kept: a checkpoint saved after ``fit`` holds them, and
+        a later :meth:`attach` continues from them.
+        """
         if self.masters is not None:
             self.masters.detach()
+        if self._rounders:
+            self._rng_states = self._rounding_states()
         for rounder in self._rounders.values():
             rounder.remove()
         self._rounders.clear()
 
+    def _rounding_states(self) -> list[Any]:
+        if not self._rounders:
+            return self._rng_states
+        return [rounder.state_dict() for rounder in self._rounders.values()]
+
     # -- checkpoints -----------------------------------------------------------------------------
 
     def on_save(self, checkpoint: dict[str, Any], entry: dict[str, Any]) -> None:
-        """fp32 masters into the checkpoint's ``state_dict``; the rounding state into ``entry``."""
-        if self.masters is not None and len(self.masters) and isinstance(checkpoint.get("state_dict"), dict):
-            checkpoint["state_dict"] = self.masters.fp32_state_dict(checkpoint["state_dict"])
-        if self._rounders:
-            entry["rounding"] = [rounder.state_dict() for rounder in self._rounders.values()]
+        """The rounding state into ``entry`` (the fp32 masters are in ``state_dict`` already)."""
+        if states := self._rounding_states():
+            entry["rounding"] = states
 
     def check(self, checkpoint: dict[str, Any], entry: object) -> None:
         """Raise ``ValueError`` if :meth:`on_load` would refuse ``checkpoint``; change nothing."""
@@ -120,9 +131,7 @@ class HalfWeights:
             )
 
     def on_load(self, checkpoint: dict[str, Any], entry: object) -> None:
-        """Restore the masters from the checkpoint's fp32 ``state_dict``, and the rounding state."""
-        if self.masters is not None and len(self.masters) and isinstance(checkpoint.get("state_dict"), dict):
-            self.masters.load_fp32_state_dict(checkpoint["state_dict"])
+        """Restore the rounding state (Lightning loaded the fp32 ``state_dict`` into the masters)."""
         states = entry.get("rounding") if isinstance(entry, dict) else None
         if isinstance(states, list):
             self._rng_states = states

@@ -66,14 +66,15 @@ def _snapshot(module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 def _fit(
     plugin: AMPPrecision, module: L.LightningModule, tmp_path: Path | None = None, **kw: Any
 ) -> L.Trainer:
+    ckpt_path = kw.pop("ckpt_path", None)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, plugins=[plugin], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
-        **{"max_epochs": 4, **kw},
+        enable_model_summary=False, default_root_dir=tmp_path,
+        **{"max_epochs": 4, "enable_checkpointing": False, **kw},
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module, _data())
+        trainer.fit(module, _data(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -337,3 +338,132 @@ def test_a_corrupt_half_weight_entry_is_refused_before_anything_changes(corrupt:
     if plugin.masters:
         assert all(torch.equal(a, b) for a, b in zip(masters, plugin.masters.masters(), strict=True))
     assert (plugin.scaler.get_scale() if plugin.scaler else None) == scale
+
+
+# ---------------------------------------------------------------- half models, weights-only, frozen
+
+
+class HalfBoring(L.LightningModule):
+    """A BoringModel-like module that is already fp16 (``model.half()``) when it reaches the Trainer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 1)).half()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x).float(), y.float())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)  # eps=1e-8: 0 in fp16
+
+
+@pytest.mark.parametrize("plugin", ["O2", "16-mixed master_weights"])
+def test_o2_on_a_half_model_trains_finite_weights_with_a_master_per_parameter(plugin: str) -> None:
+    module = HalfBoring()
+    amp = AMPPrecision.from_opt_level("O2")
+    if plugin != "O2":
+        amp = AMPPrecision("16-mixed", master_weights=True)
+    _fit(amp, module, max_steps=4)
+    trainable = [p for p in module.parameters() if p.requires_grad and p.dtype == torch.float16]
+    assert amp.masters is not None and len(amp.masters) == len(trainable) == 4
+    assert module.layer[1].weight.dtype == torch.float32  # the norm layer is fp32 again, as in Apex's O2
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+class _MastersAtFitStart(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.values = [m.detach().clone() for m in trainer.precision_plugin.masters.masters()]
+
+
+def test_a_second_fit_with_a_new_o2_plugin_continues_from_the_fp32_masters() -> None:
+    module = Regressor()
+    first = AMPPrecision("16-mixed", master_weights=True)
+    _fit(first, module, max_steps=3)
+    assert first.masters is not None
+    values = [m.detach().clone() for m in first.masters.masters()]
+    assert any(not torch.equal(v, v.half().float()) for v in values)  # more than the fp16 model holds
+    seen = _MastersAtFitStart()
+    _fit(AMPPrecision("16-mixed", master_weights=True), module, max_steps=3, callbacks=[seen])
+    assert all(torch.equal(a, b) for a, b in zip(values, seen.values, strict=True))
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+class _Unfreezes(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].weight.requires_grad_(False)  # frozen when the model is cast: no master
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.net[0].weight.requires_grad_(True)
+        return super().configure_optimizers()
+
+
+def test_o2_fit_start_refuses_a_trainable_half_parameter_without_a_master() -> None:
+    with pytest.raises(ValueError, match=r"net.0.weight.*no fp32 master.*HINT"):
+        _fit(AMPPrecision("16-mixed", master_weights=True), _Unfreezes(), max_steps=1)
+
+
+@pytest.mark.parametrize("how", ["save_checkpoint", "ModelCheckpoint", "model.state_dict"])
+def test_weights_only_checkpoints_hold_the_fp32_masters(how: str, tmp_path: Path) -> None:
+    module = Regressor()
+    plugin = AMPPrecision("16-mixed", master_weights=True)
+    callbacks = [ModelCheckpoint(dirpath=tmp_path, save_last=True, save_weights_only=True)]
+    trainer = _fit(plugin, module, tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=callbacks)
+    if how == "save_checkpoint":
+        trainer.save_checkpoint(tmp_path / "w.ckpt", weights_only=True)
+        state = torch.load(tmp_path / "w.ckpt", weights_only=False)["state_dict"]
+    elif how == "ModelCheckpoint":
+        state = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    else:
+        state = module.state_dict()
+    assert plugin.masters is not None
+    master = next(plugin.masters.masters())
+    assert state["net.0.weight"].dtype == torch.float32 and torch.equal(state["net.0.weight"], master)
+    assert not torch.equal(master, master.half().float())
+
+
+def test_the_rounding_state_is_saved_after_fit_and_a_resume_is_bit_exact(tmp_path: Path) -> None:
+    kwargs = {"precision": "bf16-true", "rounding": "stochastic", "rounding_seed": 3}
+    uninterrupted = Regressor()
+    _fit(AMPPrecision(**kwargs), uninterrupted, max_epochs=2)
+    first = Regressor()
+    trainer = _fit(AMPPrecision(**kwargs), first, max_epochs=1)
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")  # after teardown
+    assert "rounding" in torch.load(tmp_path / "after_fit.ckpt", weights_only=False)[CHECKPOINT_KEY]
+    resumed = Regressor()
+    _fit(AMPPrecision(**kwargs), resumed, max_epochs=2, ckpt_path=tmp_path / "after_fit.ckpt")
+    for a, b in zip(uninterrupted.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class LoRA(Regressor):
+    """A frozen base layer with a trainable low-rank update, as in LoRA fine-tuning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].weight.requires_grad_(False)
+        self.net[0].bias.requires_grad_(False)
+        self.down, self.up = nn.Linear(8, 2, bias=False), nn.Linear(2, 32, bias=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = self.net[0](x) + self.up(self.down(x))
+        out = self.net[3](self.net[2](self.net[1](hidden)))
+        return nn.functional.mse_loss(out.float(), y.float())
+
+
+def test_frozen_base_weights_are_held_and_saved_in_half_without_a_master(tmp_path: Path) -> None:
+    module = LoRA()
+    original = module.net[0].weight.detach().clone()
+    plugin = AMPPrecision("16-mixed", master_weights=True)
+    trainer = _fit(plugin, module, max_epochs=1)
+    trainer.save_checkpoint(tmp_path / "lora.ckpt")
+    state = torch.load(tmp_path / "lora.ckpt", weights_only=False)["state_dict"]
+    frozen = module.net[0].weight
+    assert frozen.dtype == torch.float16 and torch.equal(frozen, original.half())  # rounded once, at the cast
+    assert state["net.0.weight"].dtype == torch.float16 and torch.equal(state["net.0.weight"], frozen)
+    assert state["up.weight"].dtype == torch.float32 and state["net.3.weight"].dtype == torch.float32
+    assert plugin.masters is not None and len(plugin.masters) == 4  # up, down, net.3 weight and bias
+    LoRA().load_state_dict(state)  # loads into the fp32 model

@@ -77,3 +77,36 @@ def test_fit_start_refuses_lbfgs_only_under_loss_scaling() -> None:
     checks.check_fit_start(model, [lbfgs], "cpu", torch.bfloat16, grad_scaling=False)
     with pytest.raises(ValueError, match=r"cannot drive LBFGS.*HINT: use precision='bf16-mixed'"):
         checks.check_fit_start(model, [lbfgs], "cpu", torch.float16, grad_scaling=True)
+
+
+def _half_model(frozen_at_cast: bool = False) -> nn.Module:
+    from amp_plugin.master_weights import cast_model
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.LayerNorm(4), nn.Linear(4, 1))
+    model[0].weight.requires_grad_(not frozen_at_cast)
+    cast_model(model, torch.float16)
+    model[0].weight.requires_grad_(True)
+    return model
+
+
+def test_fit_start_with_masters_accepts_an_eps_fp16_would_round_to_zero() -> None:
+    model = _half_model()  # the optimizer steps the fp32 masters
+    opt = torch.optim.AdamW(model.parameters(), eps=1e-8)
+    checks.check_fit_start(model, [opt], "cpu", torch.float16, grad_scaling=True, weights="master")
+
+
+@pytest.mark.parametrize("case", ["frozen at the cast", "never cast"])
+def test_fit_start_with_masters_refuses_a_half_parameter_stepped_without_one(case: str) -> None:
+    model = _half_model(frozen_at_cast=True) if case == "frozen at the cast" else nn.Linear(2, 1).half()
+    opt = torch.optim.AdamW(model.parameters(), eps=1e-8)
+    with pytest.raises(
+        ValueError, match=r"optimizer 0 \(AdamW\) steps \d float16 param.*weight.*no fp32 master.*HINT: set"
+    ):
+        checks.check_fit_start(model, [opt], "cpu", torch.float16, grad_scaling=True, weights="master")
+
+
+def test_fit_start_with_half_weights_refuses_an_eps_fp16_rounds_to_zero() -> None:
+    model = nn.Linear(2, 1).half()
+    opts = [torch.optim.AdamW(model.parameters())]
+    with pytest.raises(ValueError, match=r"AdamW\(eps=1e-08\).*HINT"):
+        checks.check_fit_start(model, opts, "cpu", torch.float16, True, "half")
