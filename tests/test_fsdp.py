@@ -29,7 +29,17 @@ CASES = {  # name: (AdamW options, sync_found_inf, clip)
     "foreach, no clip": ({"foreach": True}, "auto", False),
     "fused, no clip": ({"fused": True}, "auto", False),
     "no agreement, no clip": ({"foreach": True}, False, False),  # the control
+    # The guard of the precisions without a loss scaler (a static scale of 1): the same agreement.
+    "guard, foreach, no clip": ({"foreach": True}, "auto", False),
+    "guard, fused, no clip": ({"fused": True}, "auto", False),
+    "guard, fused": ({"fused": True}, "auto", True),
 }
+
+
+def _scaler(case: str, sync: Any) -> LossScaler:
+    if case.startswith("guard"):
+        return LossScaler("cpu", init_scale=1.0, dynamic=False, sync_found_inf=sync)
+    return LossScaler("cpu", init_scale=2.0**10, sync_found_inf=sync)
 
 
 def _model() -> nn.Module:
@@ -47,7 +57,7 @@ def _train(model: nn.Module, case: str, rank: int | None) -> dict[str, Any]:
     """Train STEPS steps; at POISON_STEP an inf lands in rank 1's gradient only."""
     opts, sync, clip = CASES[case]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **opts)
-    scaler = LossScaler("cpu", init_scale=2.0**10, sync_found_inf=sync)
+    scaler = _scaler(case, sync)
     x, y = _batch()
     if rank is not None:
         x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
@@ -128,7 +138,7 @@ def test_inf_in_one_shard_makes_every_rank_skip(ranks: list[dict[str, Any]], cas
     expected = [step == POISON_STEP for step in range(STEPS)]
     assert ranks[0][case]["param_type"] == "DTensor"
     assert [r[case]["skipped"] for r in ranks] == [expected, expected]
-    assert ranks[0][case]["scale"] == ranks[1][case]["scale"] == 2.0**9
+    assert ranks[0][case]["scale"] == ranks[1][case]["scale"] == (1.0 if case.startswith("guard") else 2.0**9)
 
 
 def test_without_agreement_only_the_poisoned_rank_skips(ranks: list[dict[str, Any]]) -> None:
