@@ -14,23 +14,14 @@ unscaled norm (to fp32 rounding), and it is non-finite exactly when some gradien
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from amp_plugin import _scaler_rules
-from amp_plugin._iteration import Iteration, OptimizerState, Stage
-from amp_plugin._validation import check_bool, check_number, fail
-from amp_plugin.distributed import GlobalNormKernels
 from amp_plugin.kernels import Kernels
-from amp_plugin.optim import gradients_to_unscale, handles_unscaling, unwrap_optimizer
-from amp_plugin.sharding import has_dtensor
 
-if TYPE_CHECKING:
-    from amp_plugin.scale_policy import DynamicScale
-
-__all__ = ["ClipResult", "UnscaledClipping", "clip_coefficient", "clip_grad_norm_", "gradients"]
+__all__ = ["ClipResult", "clip_coefficient", "clip_grad_norm_", "gradients", "nonfinite"]
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds the same to the norm
 
@@ -159,157 +150,3 @@ def clip_grad_norm_(
         return ClipResult(total_norm, found_inf, divisor / coef)
     kernels.mul_(grads, coef if grad_scale is None else coef / grad_scale.to(coef))
     return ClipResult(total_norm, found_inf, None)
-
-
-class UnscaledClipping:
-    """``LossScaler``'s methods on the unscaled gradients (clip, norm, re-check), whatever their state.
-
-    Mixed into :class:`~amp_plugin.LossScaler`, whose per-optimizer state tells whether the
-    gradients in memory still carry the scale (or a folded clip factor). Not used alone.
-
-    Example:
-        >>> from amp_plugin import LossScaler
-        >>> model = torch.nn.Linear(2, 1, bias=False)
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> scaler = LossScaler("cpu", init_scale=1024.0)
-        >>> scaler.scale(model(torch.tensor([[3.0, 4.0]])).sum()).backward()
-        >>> grad_before = model.weight.grad.clone()  # [3, 4] times the scale
-        >>> round(scaler.clip_grad_norm_(opt, max_norm=1.0).item(), 4)  # the unscaled norm
-        5.0
-        >>> [round(g, 4) for g in model.weight.grad.flatten().tolist()]  # unscaled and clipped
-        [0.6, 0.8]
-    """
-
-    _enabled: bool
-    _guard_only: bool
-    process_group: Any
-    _iteration: Iteration
-    _policy: DynamicScale
-
-    def _backend(self) -> Kernels:
-        raise NotImplementedError
-
-    def _require_scale(self, call: str) -> Tensor:
-        raise NotImplementedError
-
-    def _state(self, opt: Any, call: str) -> OptimizerState:
-        raise NotImplementedError
-
-    def unscale_(self, optimizer: Any) -> None:
-        raise NotImplementedError
-
-    def clip_grad_norm_(
-        self,
-        optimizer: Any,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-        *,
-        sharded: bool = False,
-    ) -> Tensor:
-        """Clip the optimizer's gradients by their unscaled total norm; return that norm.
-
-        Before ``unscale_`` the norm and the inf check come from one read of the scaled
-        gradients, then one multiply applies ``clip_coef / scale`` (for a fused optimizer
-        the factor goes into its ``grad_scale`` instead). Equal to ``unscale_`` followed by
-        ``torch.nn.utils.clip_grad_norm_`` up to fp32 rounding. A non-finite norm marks the
-        step as overflowing, also after an explicit ``unscale_``. With ``sharded=True`` the
-        optimizer holds only this rank's shard of the gradients, and the norm is that of
-        all shards across ``process_group`` (one extra collective of one element).
-        ``DTensor`` gradients (``fully_shard``) need no flag: their norm is always global.
-        """
-        call = "LossScaler.clip_grad_norm_"
-        max_norm = check_number(call, "max_norm", max_norm, low=0.0, hint="e.g. max_norm=1.0.")
-        norm_type = _scaler_rules.check_norm_type(call, norm_type)
-        error_if_nonfinite = check_bool(call, "error_if_nonfinite", error_if_nonfinite)
-        sharded = check_bool(call, "sharded", sharded)
-        opt = unwrap_optimizer(optimizer)
-        grads = gradients(opt.param_groups)
-        if sharded and has_dtensor(grads):
-            fail(call, "sharded=True", "sharded=False when the gradients are DTensors (fully_shard)",
-                 "DTensor gradients carry their sharding and their norm is already global; "
-                 "sharded=True is for plain tensors that hold one rank's shard (FSDP1, ZeRO).")  # fmt: skip
-        kernels = GlobalNormKernels(self._backend(), self.process_group) if sharded else None
-        if not self._enabled:
-            return clip_grad_norm_(kernels or self._backend(), grads, max_norm, norm_type).total_norm
-        state = self._clippable_state(opt, call)
-        ready = state.stage is Stage.READY
-        carried = self._carried_factor(opt) if ready else state.grad_scale
-        # Fold only while the gradients still carry a factor: once unscaled in memory, the
-        # in-place multiply is torch's own recipe, bit for bit.
-        fold = carried is not None and handles_unscaling(opt)
-        result = clip_grad_norm_(
-            kernels or self._backend(), grads, max_norm, norm_type,
-            grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
-        )  # fmt: skip
-        state.merge_inf(result.found_inf, agreed=sharded)  # a global norm is agreed already
-        state.stage, state.grad_scale = Stage.UNSCALED, result.grad_scale
-        return result.total_norm
-
-    def grad_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
-        """The total norm of the optimizer's unscaled gradients, leaving them as they are (one read)."""
-        norm_type = _scaler_rules.check_norm_type("LossScaler.grad_norm", norm_type)
-        opt = unwrap_optimizer(optimizer)
-        norm = self._backend().norm(gradients(opt.param_groups), norm_type)
-        state = self._iteration.get(id(opt))
-        if not self._enabled or self._policy.scale is None:
-            return norm
-        carried = (
-            self._carried_factor(opt) if state is None or state.stage is Stage.READY else state.grad_scale
-        )
-        return norm if carried is None else norm / carried.to(norm)
-
-    def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
-        """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
-        clip_value = check_number("LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0,
-                                  hint="e.g. clip_value=0.5.")  # fmt: skip
-        opt = unwrap_optimizer(optimizer)
-        grads = gradients(opt.param_groups)
-        if self._enabled:
-            state = self._clippable_state(opt, "LossScaler.clip_grad_value_")
-            if state.stage is Stage.READY:
-                self.unscale_(opt)
-            elif state.grad_scale is not None:  # a folded norm clip: materialise it first
-                self._backend().mul_(grads, state.grad_scale.reciprocal())
-                state.grad_scale = None
-        torch.nn.utils.clip_grad_value_(
-            [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip_value
-        )
-
-    def _clippable_state(self, opt: Any, call: str) -> OptimizerState:
-        state = self._state(opt, call)
-        if state.stage is Stage.STEPPED:
-            raise RuntimeError(
-                f"{call}() was called after step() on this optimizer. HINT: clip before step()."
-            )
-        return state
-
-    def _carried_factor(self, opt: Any) -> Tensor | None:
-        """What still-scaled gradients carry: the scale, times a fused optimizer's preset ``grad_scale``.
-
-        ``None`` for a guard (a static scale of 1) without a preset: nothing to divide by.
-        """
-        scale = self._require_scale("clip")
-        if self._guard_only:
-            return getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
-        preset = getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
-        return scale if preset is None else scale * preset
-
-    def recheck_(self, optimizer: Any) -> None:
-        """Mark the step as overflowing if an unscaled gradient of ``optimizer`` is now inf/NaN.
-
-        For changes made after ``unscale_`` or a clip (hooks, penalties): one read of the
-        gradients (their norm), no write. Before ``unscale_`` there is nothing to do (``step``
-        checks the gradients then). The flag is agreed across ranks again before the step.
-        """
-        if not self._enabled:
-            return
-        opt = unwrap_optimizer(optimizer)
-        state = self._iteration.get(id(opt))
-        if state is None or state.stage is Stage.READY:
-            return
-        if state.stage is Stage.STEPPED or state.found_inf is None:
-            raise RuntimeError(
-                "recheck_() was called after step() on this optimizer. HINT: recheck before step()."
-            )
-        state.merge_inf(nonfinite(self._backend(), gradients_to_unscale(opt)), agreed=False)

@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from amp_plugin import _scaler_rules
-from amp_plugin._validation import check_bool, check_int, check_number
+from amp_plugin._validation import check_bool
 
-__all__ = ["STREAK_WARNING_AT", "DynamicScale", "ScaleFloorWarning", "ScaleKnobs", "SkipStreakWarning"]
+__all__ = ["STREAK_WARNING_AT", "DynamicScale", "ScaleFloorWarning", "SkipStreakWarning"]
 
 _FLOOR_CHECK_EVERY = 100  # updates between the host reads that look for a scale stuck at its floor
 _TRACKERS = ("growth_tracker", "hysteresis_tracker", "skipped", "last_inf", "floor_step")
@@ -324,60 +324,3 @@ class DynamicScale:
         if track_floor:
             self.floor_step.masked_fill_((scale < self.floor) & (self.floor_step < 0), self.total_steps)
         scale.clamp_(self.floor, self.max_scale)
-
-
-class ScaleKnobs:
-    """GradScaler's getters, setters and read-only properties over a :class:`DynamicScale`.
-
-    A mixin: the class using it keeps the policy in ``_policy``. ``LossScaler`` is the one user.
-
-    Example:
-        >>> from amp_plugin import LossScaler
-        >>> scaler = LossScaler(growth_interval=100)
-        >>> scaler.set_growth_factor(4.0)
-        >>> scaler.get_growth_factor(), scaler.growth_interval, scaler.hysteresis
-        (4.0, 100, 1)
-    """
-
-    _policy: DynamicScale
-
-    def get_growth_factor(self) -> float:
-        """The factor the scale grows by after ``growth_interval`` clean steps."""
-        return self._policy.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (a finite number > 1), effective from the next ``update()``."""
-        self._policy.growth_factor = check_number("LossScaler.set_growth_factor", "new_factor", new_factor,
-                                           low=1.0, low_open=True, hint="2.0 doubles the scale.")  # fmt: skip
-
-    def get_backoff_factor(self) -> float:
-        """The factor the scale backs off by on overflow."""
-        return self._policy.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)), effective from the next ``update()``."""
-        self._policy.backoff_factor = check_number(
-            "LossScaler.set_backoff_factor", "new_factor", new_factor,
-            low=0.0, high=1.0, low_open=True, high_open=True, hint="0.5 halves the scale on overflow.",
-        )  # fmt: skip
-
-    def get_growth_interval(self) -> int:
-        """Clean steps in a row before the scale grows."""
-        return self._policy.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1), effective from the next ``update()``."""
-        call = "LossScaler.set_growth_interval"
-        self._policy.growth_interval = check_int(
-            call, "new_interval", new_interval, low=1, hint="2000 is torch's default."
-        )
-
-    # torch-style read-only properties, kept for code written against earlier releases
-    growth_factor = property(get_growth_factor)
-    backoff_factor = property(get_backoff_factor)
-    growth_interval = property(get_growth_interval)
-    hysteresis = property(lambda self: self._policy.hysteresis, doc="Overflows in a row before a backoff.")
-    min_scale = property(lambda self: self._policy.min_scale, doc="The lowest scale (None: 2**-126).")
-    max_scale = property(lambda self: self._policy.max_scale, doc="The highest scale (None: unbounded).")
-    dynamic = property(lambda self: self._policy.dynamic, doc="False: static loss scaling.")
-    total_steps = property(lambda self: self._policy.total_steps, doc="Iterations closed by update().")

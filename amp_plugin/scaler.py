@@ -1,24 +1,31 @@
 """``LossScaler``: a drop-in for ``torch.amp.GradScaler`` that cannot silently collapse.
 
-Policy lives here; the arithmetic goes to :mod:`amp_plugin.kernels`. Per optimizer the
-scaler runs torch's state machine (READY -> UNSCALED -> STEPPED, reset by ``update()``)
-and tracks the factor the gradients in memory still carry, so that clipping never acts
-on scaled values and can be folded into a fused optimizer's step.
+One class, as torch's ``GradScaler`` is: the policy lives here, the scale and its update
+rule in :mod:`amp_plugin.scale_policy`, the arithmetic in :mod:`amp_plugin.kernels`, and the
+clipping math in :mod:`amp_plugin.clipping` (pure functions, handed what they need). Per
+optimizer the scaler runs torch's state machine (READY -> UNSCALED -> STEPPED, reset by
+``update()``, in :class:`Iteration`) and tracks the factor the gradients in memory still
+carry, so that clipping never acts on scaled values and can be folded into a fused
+optimizer's step. With a static scale of 1 it is a guard: nothing is scaled, and the
+gradients are only read.
 
 Which changes to the gradients are checked for inf/NaN, and when, is in ``docs/scaler.md``.
 """
 
 from __future__ import annotations
 
+import enum
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from amp_plugin import _scaler_rules, clipping, distributed
-from amp_plugin._iteration import Iteration, OptimizerState, Stage
-from amp_plugin._validation import check_bool, fail
+from amp_plugin._validation import check_bool, check_int, check_number, fail
+from amp_plugin.distributed import GlobalNormKernels
 from amp_plugin.kernels import Backend, Kernels, get_kernels
 from amp_plugin.optim import (
     GRAD_SCALER_KWARG_WARNING,
@@ -28,15 +35,108 @@ from amp_plugin.optim import (
     takes_grad_scaler,
     unwrap_optimizer,
 )  # fmt: skip
-from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning, ScaleKnobs, SkipStreakWarning
-from amp_plugin.sharding import ShardAwareKernels
+from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning, SkipStreakWarning
+from amp_plugin.sharding import ShardAwareKernels, has_dtensor
 
 __all__ = ["LossScaler", "ScaleFloorWarning", "SkipStreakWarning", "unwrap_optimizer"]
 
 T = TypeVar("T")
 
 
-class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
+class Stage(enum.Enum):
+    """Where an optimizer stands: gradients still scaled, unscaled (or clipped), or stepped."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass
+class OptimizerState:
+    """One optimizer's part of the iteration."""
+
+    stage: Stage = Stage.READY
+    found_inf: Tensor | None = None
+    grad_scale: Tensor | None = None  # the factor the grads still carry once stage is UNSCALED
+    synced: bool = False  # found_inf already agreed across ranks (all-reduced, or from a global norm)
+    skipped: bool | None = None  # found_inf as read on the host by a non-fused step(), else None
+
+    def merge_inf(self, flag: Tensor, agreed: bool) -> None:
+        """Fold a later inf check (``flag`` > 0: overflow) into this optimizer's flag.
+
+        ``agreed``: ``flag`` is the same on every rank already (it came from a global norm).
+        """
+        if self.found_inf is None or self.stage is Stage.READY:
+            self.found_inf, self.synced = flag, agreed
+            return
+        torch.maximum(self.found_inf, flag.to(self.found_inf), out=self.found_inf)
+        self.synced = self.synced and agreed
+
+
+class Iteration:
+    """The states of the optimizers touched since the last ``update()``.
+
+    Example:
+        >>> it = Iteration()
+        >>> it.open(1).stage = Stage.UNSCALED
+        >>> it.stage(1), it.stage(2), it.in_flight()
+        (<Stage.UNSCALED: 1>, <Stage.READY: 0>, True)
+    """
+
+    def __init__(self) -> None:
+        self.states: dict[int, OptimizerState] = {}
+        self.retired: list[Tensor] = []  # inf flags of steps taken before an optimizer was re-armed
+        self.scaled = False  # scale() ran since the last update(): gradients in flight carry the scale
+
+    def get(self, key: int) -> OptimizerState | None:
+        """The state of the optimizer with ``id`` ``key``, if it was touched."""
+        return self.states.get(key)
+
+    def open(self, key: int) -> OptimizerState:
+        """The state of the optimizer with ``id`` ``key``, created READY on first touch."""
+        return self.states.setdefault(key, OptimizerState())
+
+    def stage(self, key: int) -> Stage:
+        """Where that optimizer stands (READY when untouched)."""
+        state = self.states.get(key)
+        return Stage.READY if state is None else state.stage
+
+    def in_flight(self) -> bool:
+        """Whether anything happened since the last ``update()``: the gradients carry the scale."""
+        return self.scaled or bool(self.states) or bool(self.retired)
+
+    def flags(self, agree: Callable[[OptimizerState], None]) -> list[Tensor]:
+        """Every inf flag of the iteration, each agreed across ranks first (``agree``)."""
+        for state in self.states.values():  # unscaled or clipped but never stepped: agree on it here
+            agree(state)
+        return [s.found_inf for s in self.states.values() if s.found_inf is not None] + self.retired
+
+    def skipped_on_host(self) -> bool | None:
+        """Whether any step of the iteration was skipped, if every step read its flag; else ``None``."""
+        states = self.states.values()
+        if self.retired or not states or any(s.skipped is None for s in states):
+            return None
+        return any(s.skipped for s in states)
+
+    def rearm(self, key: int, agree: Callable[[OptimizerState], None]) -> None:
+        """Let that optimizer run READY -> STEPPED again; its flag so far still counts for ``update()``."""
+        state = self.states.pop(key, None)
+        if state is not None and state.found_inf is not None:
+            agree(state)
+            self.retired.append(state.found_inf)
+
+    def forget(self, key: int) -> None:
+        """Drop that optimizer's state: its gradients will not be stepped."""
+        self.states.pop(key, None)
+
+    def clear(self) -> None:
+        """Start the next iteration."""
+        self.states.clear()
+        self.retired.clear()
+        self.scaled = False
+
+
+class LossScaler:
     """Dynamic loss scaling with hysteresis, scale bounds and static mode.
 
     Takes ``torch.amp.GradScaler``'s arguments in its order. With ``hysteresis=1``, no
@@ -288,6 +388,164 @@ class LossScaler(ScaleKnobs, clipping.UnscaledClipping):
     def is_enabled(self) -> bool:
         """Whether scaling is enabled."""
         return self._enabled
+
+    # -- GradScaler's getters and setters ----------------------------------------------------
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean steps."""
+        return self._policy.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (a finite number > 1), effective from the next ``update()``."""
+        self._policy.growth_factor = check_number("LossScaler.set_growth_factor", "new_factor", new_factor,
+                                           low=1.0, low_open=True, hint="2.0 doubles the scale.")  # fmt: skip
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale backs off by on overflow."""
+        return self._policy.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)), effective from the next ``update()``."""
+        self._policy.backoff_factor = check_number(
+            "LossScaler.set_backoff_factor", "new_factor", new_factor,
+            low=0.0, high=1.0, low_open=True, high_open=True, hint="0.5 halves the scale on overflow.",
+        )  # fmt: skip
+
+    def get_growth_interval(self) -> int:
+        """Clean steps in a row before the scale grows."""
+        return self._policy.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int >= 1), effective from the next ``update()``."""
+        call = "LossScaler.set_growth_interval"
+        self._policy.growth_interval = check_int(
+            call, "new_interval", new_interval, low=1, hint="2000 is torch's default."
+        )
+
+    # this scaler's own settings and counts, read-only
+    hysteresis = property(lambda self: self._policy.hysteresis, doc="Overflows in a row before a backoff.")
+    min_scale = property(lambda self: self._policy.min_scale, doc="The lowest scale (None: 2**-126).")
+    max_scale = property(lambda self: self._policy.max_scale, doc="The highest scale (None: unbounded).")
+    dynamic = property(lambda self: self._policy.dynamic, doc="False: static loss scaling.")
+    total_steps = property(lambda self: self._policy.total_steps, doc="Iterations closed by update().")
+
+    # -- clipping and checks on the unscaled gradients -------------------------------------
+
+    def clip_grad_norm_(
+        self,
+        optimizer: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        *,
+        sharded: bool = False,
+    ) -> Tensor:
+        """Clip the optimizer's gradients by their unscaled total norm; return that norm.
+
+        Before ``unscale_`` the norm and the inf check come from one read of the scaled
+        gradients, then one multiply applies ``clip_coef / scale`` (for a fused optimizer
+        the factor goes into its ``grad_scale`` instead). Equal to ``unscale_`` followed by
+        ``torch.nn.utils.clip_grad_norm_`` up to fp32 rounding. A non-finite norm marks the
+        step as overflowing, also after an explicit ``unscale_``. With ``sharded=True`` the
+        optimizer holds only this rank's shard of the gradients, and the norm is that of
+        all shards across ``process_group`` (one extra collective of one element).
+        ``DTensor`` gradients (``fully_shard``) need no flag: their norm is always global.
+        """
+        call = "LossScaler.clip_grad_norm_"
+        max_norm = check_number(call, "max_norm", max_norm, low=0.0, hint="e.g. max_norm=1.0.")
+        norm_type = _scaler_rules.check_norm_type(call, norm_type)
+        error_if_nonfinite = check_bool(call, "error_if_nonfinite", error_if_nonfinite)
+        sharded = check_bool(call, "sharded", sharded)
+        opt = unwrap_optimizer(optimizer)
+        grads = clipping.gradients(opt.param_groups)
+        if sharded and has_dtensor(grads):
+            fail(call, "sharded=True", "sharded=False when the gradients are DTensors (fully_shard)",
+                 "DTensor gradients carry their sharding and their norm is already global; "
+                 "sharded=True is for plain tensors that hold one rank's shard (FSDP1, ZeRO).")  # fmt: skip
+        kernels = GlobalNormKernels(self._backend(), self.process_group) if sharded else None
+        if not self._enabled:
+            return clipping.clip_grad_norm_(kernels or self._backend(), grads, max_norm, norm_type).total_norm
+        state = self._clippable_state(opt, call)
+        ready = state.stage is Stage.READY
+        carried = self._carried_factor(opt) if ready else state.grad_scale
+        # Fold only while the gradients still carry a factor: once unscaled in memory, the
+        # in-place multiply is torch's own recipe, bit for bit.
+        fold = carried is not None and handles_unscaling(opt)
+        result = clipping.clip_grad_norm_(
+            kernels or self._backend(), grads, max_norm, norm_type,
+            grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
+        )  # fmt: skip
+        state.merge_inf(result.found_inf, agreed=sharded)  # a global norm is agreed already
+        state.stage, state.grad_scale = Stage.UNSCALED, result.grad_scale
+        return result.total_norm
+
+    def grad_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
+        """The total norm of the optimizer's unscaled gradients, leaving them as they are (one read)."""
+        norm_type = _scaler_rules.check_norm_type("LossScaler.grad_norm", norm_type)
+        opt = unwrap_optimizer(optimizer)
+        norm = self._backend().norm(clipping.gradients(opt.param_groups), norm_type)
+        state = self._iteration.get(id(opt))
+        if not self._enabled or self._policy.scale is None:
+            return norm
+        carried = (
+            self._carried_factor(opt) if state is None or state.stage is Stage.READY else state.grad_scale
+        )
+        return norm if carried is None else norm / carried.to(norm)
+
+    def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
+        """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
+        clip_value = check_number("LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0,
+                                  hint="e.g. clip_value=0.5.")  # fmt: skip
+        opt = unwrap_optimizer(optimizer)
+        grads = clipping.gradients(opt.param_groups)
+        if self._enabled:
+            state = self._clippable_state(opt, "LossScaler.clip_grad_value_")
+            if state.stage is Stage.READY:
+                self.unscale_(opt)
+            elif state.grad_scale is not None:  # a folded norm clip: materialise it first
+                self._backend().mul_(grads, state.grad_scale.reciprocal())
+                state.grad_scale = None
+        torch.nn.utils.clip_grad_value_(
+            [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip_value
+        )
+
+    def _clippable_state(self, opt: Any, call: str) -> OptimizerState:
+        state = self._state(opt, call)
+        if state.stage is Stage.STEPPED:
+            raise RuntimeError(
+                f"{call}() was called after step() on this optimizer. HINT: clip before step()."
+            )
+        return state
+
+    def _carried_factor(self, opt: Any) -> Tensor | None:
+        """What still-scaled gradients carry: the scale, times a fused optimizer's preset ``grad_scale``.
+
+        ``None`` for a guard (a static scale of 1) without a preset: nothing to divide by.
+        """
+        scale = self._require_scale("clip")
+        if self._guard_only:
+            return getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
+        preset = getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
+        return scale if preset is None else scale * preset
+
+    def recheck_(self, optimizer: Any) -> None:
+        """Mark the step as overflowing if an unscaled gradient of ``optimizer`` is now inf/NaN.
+
+        For changes made after ``unscale_`` or a clip (hooks, penalties): one read of the
+        gradients (their norm), no write. Before ``unscale_`` there is nothing to do (``step``
+        checks the gradients then). The flag is agreed across ranks again before the step.
+        """
+        if not self._enabled:
+            return
+        opt = unwrap_optimizer(optimizer)
+        state = self._iteration.get(id(opt))
+        if state is None or state.stage is Stage.READY:
+            return
+        if state.stage is Stage.STEPPED or state.found_inf is None:
+            raise RuntimeError(
+                "recheck_() was called after step() on this optimizer. HINT: recheck before step()."
+            )
+        state.merge_inf(clipping.nonfinite(self._backend(), gradients_to_unscale(opt)), agreed=False)
 
     # -- what happened this iteration ------------------------------------------------------
 

@@ -118,7 +118,7 @@ class Timeline(Callback):
             self.scaler.last_step_skipped,
             self.scaler.skipped_steps,
         )
-        text = _describe(event, self.scaler.growth_interval)
+        text = _describe(event, self.scaler.get_growth_interval())
         if text or step % self.heartbeat == 0:
             self.events.append(event)
             scale = f"{event.scale_after:9g}"

@@ -221,7 +221,7 @@ def test_loads_a_torch_grad_scaler_state_dict() -> None:
     sd = torch_scaler.state_dict()
     ours = LossScaler()
     ours.load_state_dict(sd)
-    assert ours.get_scale() == 512.0 and ours.growth_interval == 9
+    assert ours.get_scale() == 512.0 and ours.get_growth_interval() == 9
     assert torch_scaler.state_dict() == {k: ours.state_dict()[k] for k in sd}
 
 

@@ -347,7 +347,7 @@ def test_loads_a_lightning_mixed_precision_checkpoint(tmp_path: Path) -> None:
     _fit_epochs(TinyModule(poison=()), plugin, epochs=1, ckpt=path)  # max_epochs=1: restore only
     assert plugin.scaler is not None
     assert plugin.scaler.get_scale() == ref_scaler.get_scale()
-    assert plugin.scaler.growth_interval == 2
+    assert plugin.scaler.get_growth_interval() == 2
 
 
 def test_auto_picks_bf16_on_cpu_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
