@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -460,3 +461,26 @@ def test_a_mid_epoch_validation_sees_the_values_of_the_step_before_it() -> None:
                        limit_val_batches=1, num_sanity_val_steps=0)  # fmt: skip
     trainer.fit(module, _loader(), _loader(n=1))
     assert watch.scales == [(s, module.seen[s - 1]["scale"]) for s in (10, 20, 30)]
+
+
+def _always_overflowing_fit(monitor: LossScaleMonitor | None, steps: int = 40) -> list[str]:
+    """fp16 whose every step overflows, at a floor of min_scale=1: the warnings the run gives."""
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=4.0, min_scale=1.0))
+    trainer = Trainer(
+        accelerator="cpu", max_steps=steps, plugins=[plugin], callbacks=[] if monitor is None else [monitor],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Probe(poison=tuple(range(steps))), _loader(n=steps))
+    return [str(w.message) for w in caught if "emulates" not in str(w.message)]
+
+
+def test_a_scale_at_its_floor_is_reported_once_with_the_monitor() -> None:
+    said = _always_overflowing_fit(LossScaleMonitor(warmup_steps=5, max_consecutive_skips=3))
+    assert len([m for m in said if "min_scale" in m or "floor" in m]) == 1, said
+
+
+def test_a_long_run_of_skips_is_reported_once_without_the_monitor() -> None:
+    said = _always_overflowing_fit(None)
+    assert len([m for m in said if "in a row were skipped" in m]) == 1, said
