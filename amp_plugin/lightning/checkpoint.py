@@ -8,18 +8,14 @@ written by Lightning's ``MixedPrecision`` (under its class name, or the pre-2.0
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
 from amp_plugin.scaler import LossScaler
 
-if TYPE_CHECKING:
-    from amp_plugin.lightning.half_weights import HalfWeights
-
 __all__ = [
     "CHECKPOINT_KEY",
-    "CheckpointHooks",
     "check_scaler_state",
     "checkpoint_entry",
     "load_scaler_state",
@@ -109,65 +105,3 @@ def load_scaler_state(scaler: LossScaler | None, state_dict: dict[str, Any]) -> 
             "The checkpoint holds a loss-scaler state, but this bf16 run has no scaler: ignored.",
             stacklevel=5,
         )
-
-
-class CheckpointHooks:
-    """``AMPPrecision``'s checkpoint hooks: the scaler state, fp32 masters and rounding state.
-
-    A mixin placed before Lightning's ``MixedPrecision``; it reads the plugin's ``precision``,
-    ``scaler`` and ``_half`` (the :class:`~amp_plugin.lightning.half_weights.HalfWeights`).
-    Everything a checkpoint holds for the plugin is checked before any of it is applied.
-
-    Example:
-        >>> from amp_plugin.lightning import AMPPrecision
-        >>> issubclass(AMPPrecision, CheckpointHooks)
-        True
-    """
-
-    precision: Any
-    scaler: LossScaler | None
-    _half: HalfWeights | None
-
-    def state_dict(self) -> dict[str, Any]:
-        # Lightning files a non-empty state_dict under this class's __qualname__, which a rename
-        # or subclass would orphan; the state goes under CHECKPOINT_KEY in on_save_checkpoint.
-        return {}
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        entry = checkpoint[CHECKPOINT_KEY] = checkpoint_entry(str(self.precision), self.scaler)
-        if self._half is not None:
-            self._half.on_save(checkpoint, entry)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.check_checkpoint(checkpoint)
-        if self._half is not None:
-            self._half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))
-        state = scaler_state(checkpoint)
-        if state is not None:
-            self.load_state_dict(state)
-
-    def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if the checkpoint's plugin state would not load; change nothing.
-
-        Checked: the loss-scaler state, and with half-precision weights the fp32 master values
-        (shapes) and the rounding state. Lightning restores the precision plugin only after it
-        has replaced the model's weights. To refuse a corrupt checkpoint before that, call this
-        from the LightningModule's ``on_load_checkpoint``, the one hook Lightning runs earlier::
-
-            def on_load_checkpoint(self, checkpoint):
-                self.trainer.precision_plugin.check_checkpoint(checkpoint)
-
-        Example:
-            >>> from amp_plugin.lightning import AMPPrecision
-            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({CHECKPOINT_KEY: "garbage"})
-            Traceback (most recent call last):
-            ...
-            ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
-        """
-        check_scaler_state(checkpoint, self.scaler)
-        if self._half is not None:
-            self._half.check(checkpoint, checkpoint.get(CHECKPOINT_KEY))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a scaler state (from this plugin, ``LossScaler``, or ``torch.amp.GradScaler``)."""
-        load_scaler_state(self.scaler, state_dict)

@@ -26,7 +26,8 @@ from typing_extensions import override
 from amp_plugin import clipping, fp32_policy
 from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
 from amp_plugin.lightning import _compat, checks
-from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY, CheckpointHooks
+from amp_plugin.lightning import checkpoint as checkpoints
+from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY
 from amp_plugin.lightning.half_weights import HalfWeights
 from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.master_weights import MasterWeights
@@ -40,7 +41,7 @@ from amp_plugin.step import StepDriver
 __all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
 
 
-class AMPPrecision(CheckpointHooks, MixedPrecision):
+class AMPPrecision(MixedPrecision):
     """Mixed precision for ``Trainer(plugins=[AMPPrecision(...)])``.
 
     A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
@@ -91,6 +92,7 @@ class AMPPrecision(CheckpointHooks, MixedPrecision):
     """
 
     scaler: LossScaler | None  # type: ignore[assignment]  # MixedPrecision's is a GradScaler
+    precision: PrecisionName | str  # type: ignore[assignment]  # "auto" until resolved; Lightning's Literal lacks it
     device: str | None  # type: ignore[assignment]  # None until resolved at setup
 
     def __init__(  # MixedPrecision.__init__ is not called: it would build a torch GradScaler
@@ -332,6 +334,56 @@ class AMPPrecision(CheckpointHooks, MixedPrecision):
     def masters(self) -> MasterWeights | None:
         """The fp32 master weights (``master_weights=True``, after the model was converted), else ``None``."""
         return self._half.masters if self._half is not None and self.master_weights else None
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Lightning files a non-empty state_dict under this class's __qualname__, which a rename
+        # or subclass would orphan; the state goes under CHECKPOINT_KEY in on_save_checkpoint.
+        return {}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        entry = checkpoints.checkpoint_entry(str(self.precision), self.scaler)
+        checkpoint[CHECKPOINT_KEY] = entry
+        if self._half is not None:
+            self._half.on_save(checkpoint, entry)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.check_checkpoint(checkpoint)
+        if self._half is not None:
+            self._half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))
+        state = checkpoints.scaler_state(checkpoint)
+        if state is not None:
+            self.load_state_dict(state)
+
+    def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if the checkpoint's plugin state would not load; change nothing.
+
+        Checked: the loss-scaler state, and with half-precision weights the fp32 master values
+        (shapes) and the rounding state. Lightning restores the precision plugin only after it
+        has replaced the model's weights. To refuse a corrupt checkpoint before that, call this
+        from the LightningModule's ``on_load_checkpoint``, the one hook Lightning runs earlier::
+
+            def on_load_checkpoint(self, checkpoint):
+                self.trainer.precision_plugin.check_checkpoint(checkpoint)
+
+        Example:
+            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({CHECKPOINT_KEY: "garbage"})
+            Traceback (most recent call last):
+            ...
+            ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
+        """
+        checkpoints.check_scaler_state(checkpoint, self.scaler)
+        if self._half is not None:
+            self._half.check(checkpoint, checkpoint.get(CHECKPOINT_KEY))
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a scaler state (from this plugin, ``LossScaler``, or ``torch.amp.GradScaler``)."""
+        checkpoints.load_scaler_state(self.scaler, state_dict)
 
     # -- clipping and the gradient norm ----------------------------------------------------------
 

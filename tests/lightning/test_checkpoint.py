@@ -12,7 +12,6 @@ import torch
 
 from amp_plugin import AMPPrecision, LossScaler
 from amp_plugin.lightning.checkpoint import (
-    CheckpointHooks,
     check_scaler_state,
     checkpoint_entry,
     load_scaler_state,
@@ -139,7 +138,7 @@ def test_the_load_warning_points_at_the_plugin() -> None:
     plugin = AMPPrecision("16-mixed", device="cpu")
     with pytest.warns(UserWarning, match="holds no loss-scaler state") as caught:
         plugin.load_state_dict({})
-    # The plugin's load_state_dict (from its CheckpointHooks), not the helper it calls or Lightning.
-    lines, start = inspect.getsourcelines(CheckpointHooks.load_state_dict)
-    assert caught[0].filename == inspect.getsourcefile(CheckpointHooks)
+    # The plugin's load_state_dict, not the helper it calls or Lightning.
+    lines, start = inspect.getsourcelines(AMPPrecision.load_state_dict)
+    assert caught[0].filename == inspect.getsourcefile(AMPPrecision)
     assert start <= caught[0].lineno < start + len(lines)

@@ -79,7 +79,8 @@ def test_a_grad_scaler_is_converted_with_its_settings_and_state() -> None:
     scaler = plugin.scaler
     assert isinstance(scaler, LossScaler)
     assert scaler.get_scale() == grad_scaler.get_scale() == 1024.0 * 0.25 * 4.0
-    assert (scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == (4.0, 0.25, 3)
+    settings = (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+    assert settings == (4.0, 0.25, 3)
     assert scaler.state_dict()["_growth_tracker"] == grad_scaler.state_dict()["_growth_tracker"] == 0
     grad_scaler2 = _stepped_grad_scaler()
     model = nn.Linear(2, 1)  # one more clean step: the tracker carries on from the GradScaler's
