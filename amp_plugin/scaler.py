@@ -588,6 +588,16 @@ class LossScaler:
         return self._policy.last_skipped()
 
     @property
+    def is_guard(self) -> bool:
+        """Whether this scaler only guards: a static scale of 1, nothing scaled, gradients only read.
+
+        Example:
+            >>> LossScaler(init_scale=1.0, dynamic=False).is_guard, LossScaler().is_guard
+            (True, False)
+        """
+        return self._guard_only
+
+    @property
     def warn_on_skips(self) -> bool:
         """Whether the scaler warns by itself about a scale stuck at its floor (:class:`ScaleFloorWarning`)
         and long runs of skipped steps (:class:`SkipStreakWarning`), once each.

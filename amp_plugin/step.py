@@ -114,6 +114,8 @@ class StepDriver:
             run_hooks()
             return optimizer.step(**kwargs)
         self._arm(scaler, opt)
+        # A guard has nothing to unscale: its one check runs after the hooks (in a clip, or in step).
+        observe_unscaled = observe_unscaled and not scaler.is_guard
         if observe_unscaled and scaler.stage(opt) == "ready":
             scaler.unscale_(opt)  # the hooks below see unscaled gradients
         norm_clipped = run_hooks()

@@ -195,3 +195,29 @@ def test_the_loss_scaler_warning_for_cuda_without_cuda_has_a_hint() -> None:
         pytest.skip("needs a machine without CUDA")
     with pytest.warns(UserWarning, match="HINT"):
         LossScaler("cuda")
+
+
+class _HookNan(_Model):
+    """A hook that sees the gradients (so they are not checked before it) writes a NaN into one."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.trainer.fit_loop.batch_idx == BAD:
+            grad = self.net[0].weight.grad
+            assert grad is not None
+            grad[0, 0] = float("nan")
+
+
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_a_nan_written_by_a_hook_is_caught_by_the_guards_one_check(precision: str, clip: str | None) -> None:
+    module = _HookNan("none", "sgd")
+    plugin = AMPPrecision(precision, device="cpu")
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=6, plugins=[plugin], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=None if clip is None else 1.0, gradient_clip_algorithm=clip,
+    )  # fmt: skip
+    trainer.fit(module, _loader(6))
+    assert module.before is not None and _equal(module.before, module.after)
+    assert plugin.guard is not None and plugin.guard.skipped_steps == 1
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
