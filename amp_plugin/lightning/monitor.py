@@ -330,11 +330,10 @@ class LossScaleMonitor(Callback):
         """Put ``record``'s metrics into ``callback_metrics`` (every rank) and, if ``log``, the loggers."""
         plugin = self._require_plugin()
         scaler, guard = plugin.scaler, plugin.guard
-        # The guard's count, read here (free where the steps read their flags), is what a fused
-        # optimizer's scheduler hold waits for. fp16's survives a resume, so it is the one published;
-        # bf16's guard starts afresh, so the monitor's own count (restored with it) is.
-        guard_skipped = None if guard is None else guard.skipped_steps
-        skipped = self._health.skipped if scaler is None or guard_skipped is None else guard_skipped
+        # The guard's count is the truth (it is in the checkpoint; reading it here, free where the steps
+        # read their flags, is also what a fused optimizer's scheduler hold waits for). Unguarded: the
+        # monitor's own count.
+        skipped = self._health.skipped if guard is None else guard.skipped_steps
         metrics = amp_metrics(scaler, record.scale, skipped, self._health.skip_rate, record.grad_norm,
                               _clipping(trainer))  # fmt: skip
         publish(trainer, metrics)

@@ -346,6 +346,9 @@ class AMPPrecision(MixedPrecision):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         entry = checkpoints.checkpoint_entry(str(self.precision), self.scaler)
+        guard = self.guard
+        if self.scaler is None and guard is not None:  # bf16/fp32: the guard's skip counts resume too
+            entry["guard"] = guard.state_dict()
         checkpoint[CHECKPOINT_KEY] = entry
         if self._half is not None:
             self._half.on_save(checkpoint, entry)
@@ -358,6 +361,15 @@ class AMPPrecision(MixedPrecision):
         state = checkpoints.scaler_state(checkpoint)
         if state is not None:
             self.load_state_dict(state)
+        guard_state = self._guard_state(checkpoint)
+        if guard_state is not None and self.guard is not None:
+            self.guard.load_state_dict(guard_state)
+
+    def _guard_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+        """The bf16/fp32 guard's state in the checkpoint, where this run has a guard and no scaler."""
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        state = entry.get("guard") if isinstance(entry, dict) and self.scaler is None else None
+        return state if isinstance(state, dict) and state else None
 
     def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Raise ``ValueError`` if the checkpoint's plugin state would not load; change nothing.
@@ -377,6 +389,9 @@ class AMPPrecision(MixedPrecision):
             ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
         """
         checkpoints.check_scaler_state(checkpoint, self.scaler)
+        guard_state = self._guard_state(checkpoint)
+        if guard_state is not None and self.guard is not None:
+            self.guard.check_state_dict(guard_state)
         if self._half is not None:
             self._half.check(checkpoint, checkpoint.get(CHECKPOINT_KEY))
 

@@ -221,3 +221,27 @@ def test_a_nan_written_by_a_hook_is_caught_by_the_guards_one_check(precision: st
     assert module.before is not None and _equal(module.before, module.after)
     assert plugin.guard is not None and plugin.guard.skipped_steps == 1
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_the_guards_counts_resume_from_a_bf16_checkpoint(tmp_path: Any) -> None:
+    module = _Model("inf_grad", "sgd")
+    plugin = AMPPrecision("bf16-mixed", device="cpu")
+    trainer, _ = _fit(module, plugin, batches=4)
+    path = tmp_path / "bf16.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["amp_plugin"]["guard"]["skipped_steps"] == 1
+    resumed = AMPPrecision("bf16-mixed", device="cpu")
+    more = Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=4, plugins=[resumed], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    more.fit(_Model("none", "sgd"), _loader(4), ckpt_path=path)
+    assert resumed.guard is not None
+    assert (resumed.guard.skipped_steps, resumed.guard.total_steps) == (1, 8)
+
+
+def test_a_corrupt_guard_entry_is_refused_before_anything_loads() -> None:
+    plugin = AMPPrecision("bf16-mixed", device="cpu")
+    with pytest.raises(ValueError, match="HINT"):
+        entry = {"precision": "bf16-mixed", "scaler": {}, "guard": {"scale": -1}}
+        plugin.check_checkpoint({"amp_plugin": entry})
