@@ -242,6 +242,6 @@ def test_the_guards_counts_resume_from_a_bf16_checkpoint(tmp_path: Any) -> None:
 
 def test_a_corrupt_guard_entry_is_refused_before_anything_loads() -> None:
     plugin = AMPPrecision("bf16-mixed", device="cpu")
+    entry = {"precision": "bf16-mixed", "scaler": {}, "guard": {"scale": -1}}
     with pytest.raises(ValueError, match="HINT"):
-        entry = {"precision": "bf16-mixed", "scaler": {}, "guard": {"scale": -1}}
         plugin.check_checkpoint({"amp_plugin": entry})
