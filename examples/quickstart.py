@@ -316,8 +316,11 @@ def summarize(
             f"final scale {scaler.get_scale():g}, skipped {scaler.skipped_steps} of "
             f"{scaler.total_steps} steps"
         )
-    elif precision == "bf16-mixed":
-        scaling = "no loss scaling needed for bf16 (it has fp32's exponent range)"
+    elif precision == "bf16-mixed" and plugin is not None and plugin.guard is not None:
+        scaling = (
+            "none needed for bf16 (it has fp32's exponent range); the guard skipped "
+            f"{plugin.guard.skipped_steps} of {plugin.guard.total_steps} steps for inf/NaN"
+        )
     else:
         scaling = "none (fp32)"
     if monitor is not None:
