@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from amp_plugin import _imports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Subprocesses (examples, benchmarks) import ``amp_plugin`` from this checkout.
+
+    Without this they import whatever the environment's editable install points to, which for a
+    second worktree sharing one virtualenv is another checkout: its tests pass or fail on code
+    that is not the code under test.
+    """
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
