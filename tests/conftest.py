@@ -1,14 +1,29 @@
-"""Shared test set-up: the `cuda` and `apex` markers skip cleanly where the hardware is missing."""
+"""Shared test set-up: the `cuda` and `apex` markers skip cleanly; every test runs isolated (`_isolated`)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from amp_plugin import _imports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Subprocesses (examples, benchmarks) import ``amp_plugin`` from this checkout.
+
+    Without this they import whatever the environment's editable install points to, which for a
+    second worktree sharing one virtualenv is another checkout: its tests pass or fail on code
+    that is not the code under test.
+    """
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -22,18 +37,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)
+def _isolated() -> Iterator[None]:
+    """Start every test from the same process-wide state and put that state back afterwards.
 
+    Saved and restored: torch's intra-op thread count, default dtype, grad mode, CPU (and, once
+    initialised, CUDA) RNG state, and ``os.environ``. A test then starts from ``manual_seed(0)``.
 
-@pytest.fixture(autouse=True)
-def _fresh_environment() -> Iterator[None]:
-    """Undo what a test leaves in ``os.environ``.
-
-    Lightning's launchers write MASTER_PORT (and the rank variables) into the parent process; a
-    later spawn would reuse that port, sometimes before the last process group released it.
+    A test that leaves the thread count, the default dtype or grad mode changed fails at
+    teardown (after the restore, so the tests after it still start clean): such a test makes
+    later tests pass or fail by the order and the thread count they run with, which is how
+    ``torch.set_num_threads(1)`` in one test once broke an accuracy bound in another. The RNG
+    state and the environment are restored without complaint: every test draws random numbers,
+    and Lightning's launchers write MASTER_PORT (and the rank variables) into the parent process,
+    where a later spawn would reuse that port, sometimes before the last process group released it.
     """
-    saved = dict(os.environ)
+    threads, dtype, grad = torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled()
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    environ = dict(os.environ)
+    torch.manual_seed(0)
     yield
+    leaked = [
+        f"{name} was {before}, the test left it {after}"
+        for name, before, after in (
+            ("torch.get_num_threads()", threads, torch.get_num_threads()),
+            ("torch.get_default_dtype()", dtype, torch.get_default_dtype()),
+            ("torch.is_grad_enabled()", grad, torch.is_grad_enabled()),
+        )
+        if before != after
+    ]
+    torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad)
+    torch.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
     os.environ.clear()
-    os.environ.update(saved)
+    os.environ.update(environ)
+    if leaked:
+        pytest.fail(
+            "global state changed and not restored: " + "; ".join(leaked) + ". HINT: restore it in "
+            "the test (try/finally, a context manager or monkeypatch), or run the code in a subprocess.",
+            pytrace=False,
+        )

@@ -28,6 +28,15 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert _readme_commands()[1] in ci_lines
 
 
+def test_readme_test_command_runs_the_tests_at_default_threads_and_at_one() -> None:
+    steps = [step.strip() for step in _readme_commands()[1].split("&&")]
+    pytest_runs = [step for step in steps if "pytest" in step]
+    # A result that holds at only one thread count (an accuracy bound, a test that pins threads
+    # and leaks the pin into the next) fails one of the two runs.
+    assert pytest_runs == [".venv/bin/python -m pytest -q", "OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q"]
+    assert steps[-2:] == pytest_runs  # after the set-up, ruff and mypy, so all of them gate it
+
+
 def test_changelog_follows_keep_a_changelog() -> None:
     text = (ROOT / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in text and "### Added" in text

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from amp_plugin import _imports
+from amp_plugin._validation import _device_hint, fail
 from amp_plugin.kernels.base import Kernels
 
 __all__ = ["BACKENDS", "Backend", "Kernels", "get_kernels"]
@@ -49,7 +50,8 @@ def get_kernels(backend: Backend = "auto", device: torch.device | str | None = N
         device: where the tensors live; ``"auto"`` only picks Apex for CUDA devices.
 
     Raises:
-        ValueError: unknown backend name.
+        ValueError: unknown backend name, or a device string torch does not know (``"gpu"``).
+        TypeError: ``device`` is neither ``None``, a ``str`` nor a ``torch.device``.
         RuntimeError: ``"apex"`` requested but ``amp_C`` does not import, or the device is not CUDA.
 
     Example:
@@ -58,7 +60,7 @@ def get_kernels(backend: Backend = "auto", device: torch.device | str | None = N
         'torch'
     """
     backend = check_backend(backend)
-    device_type = torch.device(device).type if device is not None else None
+    device_type = _device_type(device)
     if backend == "auto":
         use_apex = device_type == "cuda" and _imports.apex_available()
         return _apex_backend() if use_apex else _torch_backend()
@@ -75,6 +77,19 @@ def get_kernels(backend: Backend = "auto", device: torch.device | str | None = N
             )
         return _apex_backend()
     return _torch_backend()
+
+
+def _device_type(device: object) -> str | None:
+    if device is None:
+        return None
+    got = f"device={device!r}"
+    allowed = "None, a torch.device or a device string such as 'cuda', 'cuda:0' or 'cpu'"
+    if not isinstance(device, (str, torch.device)):
+        fail("get_kernels", got, allowed, "pass the tensors' device, e.g. grads[0].device.", TypeError)
+    try:
+        return torch.device(device).type
+    except RuntimeError:  # torch's message lists every device type it knows, and no fix
+        fail("get_kernels", got, allowed, _device_hint(device))
 
 
 @functools.cache

@@ -26,9 +26,15 @@ def _example() -> ModuleType:
 
 
 def test_stochastic_tracks_float_and_nearest_falls_behind_as_fl_shrinks() -> None:
+    # One thread, as the example's main() pins: its small matmuls run several times slower with two
+    # (the numbers are the same). Restored: a later test must not inherit this test's thread count.
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    lines: list[str] = []
-    curves = _example().run(epochs=10, lr=0.01, report=lines.append)
+    try:
+        lines: list[str] = []
+        curves = _example().run(epochs=10, lr=0.01, report=lines.append)
+    finally:
+        torch.set_num_threads(threads)
     final = {name: errors[-1] for name, errors in curves.items()}
     assert final["float32"] < 10  # the baseline learns (chance is 90% error)
     for fl in (14, 10, 8):

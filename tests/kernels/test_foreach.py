@@ -8,23 +8,36 @@ import torch
 from amp_plugin.kernels import get_kernels
 
 
-def test_torch_norm_exact_is_torchs_clip_norm_and_fast_norm_is_more_accurate() -> None:
+@pytest.mark.parametrize("threads", [1, None], ids=["1-thread", "default-threads"])
+def test_torch_norm_exact_is_torchs_clip_norm_and_fast_norm_is_more_accurate(threads: int | None) -> None:
+    """The fast norm beats torch's fp32 reduction by 2x or more at any thread count.
+
+    sdot's error depends on the thread count (each thread sums its own part), torch's does not;
+    one thread is the worst case (1.95e-5 against torch's 6.3e-5 here), so it is checked in every
+    run, whatever thread count the suite itself runs with.
+    """
     from amp_plugin.distributed import GlobalNormKernels
 
-    torch.manual_seed(3)
-    grads = [torch.randn(3_000_000), torch.randn(7), torch.randn(50_000)]
-    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g.clone()
-    torch_norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
-    kernels = get_kernels("torch")
-    assert torch.equal(kernels.norm(grads, exact=True), torch_norm)
-    assert torch.equal(GlobalNormKernels(kernels).norm(grads, exact=True), torch_norm)  # forwarded
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads or saved)
+    try:
+        torch.manual_seed(3)
+        grads = [torch.randn(3_000_000), torch.randn(7), torch.randn(50_000)]
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        torch_norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
+        kernels = get_kernels("torch")
+        assert torch.equal(kernels.norm(grads, exact=True), torch_norm)
+        assert torch.equal(GlobalNormKernels(kernels).norm(grads, exact=True), torch_norm)  # forwarded
+        fast = kernels.norm(grads)
+    finally:
+        torch.set_num_threads(saved)
     truth = torch.cat(grads).double().norm()
-    fast = kernels.norm(grads)
     assert fast.dtype == torch.float32
-    assert abs(fast.double() - truth) / truth < 1e-5
-    assert abs(fast.double() - truth) <= abs(torch_norm.double() - truth)
+    fast_error, torch_error = (float(abs(n.double() - truth) / truth) for n in (fast, torch_norm))
+    assert fast_error < 5e-5
+    assert 2 * fast_error <= torch_error
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])

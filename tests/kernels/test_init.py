@@ -45,6 +45,15 @@ def test_unknown_backend_raises() -> None:
         get_kernels("triton")  # type: ignore[arg-type]
 
 
+def test_unknown_device_raises_with_what_is_allowed_and_a_hint() -> None:
+    with pytest.raises(ValueError, match=r"get_kernels\(device='gpu'\) is not allowed.*HINT: .*'cuda'"):
+        get_kernels(device="gpu")
+    with pytest.raises(ValueError, match=r"get_kernels\(device='CPU'\) is not allowed: .*HINT: .*'cpu'"):
+        get_kernels("torch", "CPU")
+    with pytest.raises(TypeError, match=r"get_kernels\(device=\[0\]\) is not allowed: .*HINT:"):
+        get_kernels(device=[0])  # type: ignore[arg-type]
+
+
 def test_import_loads_neither_apex_nor_lightning_nor_cuda() -> None:
     code = textwrap.dedent(
         """
