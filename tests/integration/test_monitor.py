@@ -295,12 +295,12 @@ def test_needs_amp_precision() -> None:
         _fit(Probe(), LossScaleMonitor(), MixedPrecision("16-mixed", "cpu"), steps=1)
 
 
-def test_ddp_spawn_rank_zero_writes_and_ranks_agree(tmp_path: Path) -> None:
+def test_ddp_rank_zero_writes_and_ranks_agree(tmp_path: Path) -> None:
     # Only rank 1 poisons its (already all-reduced) gradients: the scaler's found_inf sync makes both skip.
     module = Probe(poison=(4, 9), rank_poison=1, out_dir=str(tmp_path))
     logger = CSVLogger(tmp_path, version=0)  # resolved here, not separately in the worker
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=12, plugins=[_plugin()],
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=12, plugins=[_plugin()],
         callbacks=[LossScaleMonitor(warmup_steps=2)], logger=logger, log_every_n_steps=2,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
