@@ -28,10 +28,10 @@ from amp_plugin.optim import (
     takes_grad_scaler,
     unwrap_optimizer,
 )  # fmt: skip
-from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning, ScaleKnobs, SkipStreakWarning
+from amp_plugin.scale_policy import DynamicScale, ScaleKnobs
 from amp_plugin.sharding import ShardAwareKernels
 
-__all__ = ["LossScaler", "ScaleFloorWarning", "SkipStreakWarning", "unwrap_optimizer"]
+__all__ = ["LossScaler"]
 
 T = TypeVar("T")
 

@@ -3,7 +3,8 @@
 Every import counts: at module level, inside functions, under ``TYPE_CHECKING`` and as an
 ``importlib.import_module("...")`` string. The checks are functions over a ``{module: imports}``
 graph, tested on small graphs with a planted cycle and a planted upward edge, then run on
-amp_plugin itself.
+amp_plugin itself. Last, DESIGN's "one public path per name": a module's ``__all__`` lists only
+what the module defines.
 """
 
 from __future__ import annotations
@@ -18,29 +19,30 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "amp_plugin"
 
-# DESIGN.md's layers, bottom first. A module may import its own layer or one below it.
+
+def _in_package(names: str) -> frozenset[str]:
+    return frozenset(f"amp_plugin.{name}" for name in names.split())
+
+
+# DESIGN.md's layers, bottom first. A module may import its own layer or one below it;
+# "x.*" places every submodule of x.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("bottom", frozenset({"amp_plugin._validation", "amp_plugin._imports"})),
-    ("kernels", frozenset({"amp_plugin.kernels", "amp_plugin.kernels.*"})),
+    ("bottom", _in_package("_validation _imports")),
+    ("kernels", _in_package("kernels kernels.*")),
     (
         "core",
-        frozenset({
-            "amp_plugin.optim", "amp_plugin.scaler", "amp_plugin._scaler_rules", "amp_plugin._iteration",
-            "amp_plugin.scale_policy", "amp_plugin.clipping", "amp_plugin.sharding", "amp_plugin.distributed",
-            "amp_plugin.consistency", "amp_plugin.precision", "amp_plugin.autocast", "amp_plugin.fp32_policy",
-            "amp_plugin.numerics", "amp_plugin.master_weights", "amp_plugin.rounded_updates",
-            "amp_plugin.opt_levels", "amp_plugin.diagnostics", "amp_plugin.diagnostics.*",
-        }),
-    ),  # fmt: skip
-    ("step", frozenset({"amp_plugin.step"})),
-    (
-        "adapters",
-        frozenset({"amp_plugin.lightning", "amp_plugin.lightning.*", "amp_plugin.accelerate", "amp_plugin.fabric"}),
+        _in_package(
+            "optim scaler _scaler_rules _iteration scale_policy clipping sharding distributed consistency "
+            "precision autocast fp32_policy numerics master_weights rounded_updates opt_levels "
+            "diagnostics diagnostics.*"
+        ),
     ),
+    ("step", _in_package("step")),
+    ("adapters", _in_package("lightning lightning.* accelerate fabric")),
     # The package's own __init__ re-exports from the layers below (its Lightning names on first use),
     # so only the command line sits above it.
     ("package", frozenset({"amp_plugin"})),
-    ("top", frozenset({"amp_plugin.cli", "amp_plugin.__main__"})),
+    ("top", _in_package("cli __main__")),
 )
 
 # Third-party packages only the adapters may import, and the optional dependencies a
@@ -50,7 +52,21 @@ OPTIONAL = FRAMEWORKS | {"apex", "amp_C", "torchao", "matplotlib"}
 
 # Edges that break a rule in files this change does not touch, each named with the fix it needs.
 # The test fails when an entry is no longer in the graph, so the list only shrinks.
-ALLOWED_FUNCTION_LEVEL: frozenset[tuple[str, str]] = frozenset()
+ALLOWED_FUNCTION_LEVEL: frozenset[tuple[str, str]] = frozenset({
+    # lightning/checks.py, check_half_weights: `from amp_plugin.rounded_updates import ROUNDINGS` inside
+    # the function hides nothing (no cycle) and belongs at the top of the module.
+    ("amp_plugin.lightning.checks", "amp_plugin.rounded_updates"),
+})  # fmt: skip
+# Names a module's __all__ lists but another module defines: (module, name).
+ALLOWED_REEXPORTS: frozenset[tuple[str, str]] = frozenset({
+    # Fabric's plugin: DESIGN's contract names `amp_plugin.fabric.AMPPrecision` (the Trainer's plugin is
+    # `amp_plugin.AMPPrecision`), so this module is the documented home; its code sits in
+    # lightning/fabric.py, which should move here or become private (lightning/_fabric.py).
+    ("amp_plugin.fabric", "AMPPrecision"),
+    # lightning/plugin.py lists CHECKPOINT_KEY, which lightning/checkpoint.py defines and the
+    # amp_plugin.lightning package exports: drop it from plugin.py's __all__.
+    ("amp_plugin.lightning.plugin", "CHECKPOINT_KEY"),
+})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -246,7 +262,10 @@ def test_a_planted_upward_import_is_caught() -> None:
 
 
 def test_a_cycle_through_layers_is_reported_with_its_upward_edge() -> None:
-    graph = {"amp_plugin.kernels.base": {"amp_plugin.scaler"}, "amp_plugin.scaler": {"amp_plugin.kernels.base"}}
+    graph = {
+        "amp_plugin.kernels.base": {"amp_plugin.scaler"},
+        "amp_plugin.scaler": {"amp_plugin.kernels.base"},
+    }
     assert layering_problems(graph) == [
         "import cycle: amp_plugin.kernels.base -> amp_plugin.scaler -> amp_plugin.kernels.base",
         "amp_plugin.kernels.base (kernels) -> amp_plugin.scaler (core)",
@@ -269,7 +288,7 @@ def test_a_module_without_a_layer_is_refused() -> None:
         ("class C:\n    def f(self):\n        import accelerate", {("accelerate", True)}),
         ("if TYPE_CHECKING:\n    from amp_plugin.scaler import X", {("amp_plugin.scaler", False)}),
         ("try:\n    import apex\nexcept ImportError:\n    pass", {("apex", False)}),
-        ("def f():\n    importlib.import_module('amp_plugin.fp32_policy')", {("amp_plugin.fp32_policy", True)}),
+        ("def f():\n    importlib.import_module('amp_plugin.numerics')", {("amp_plugin.numerics", True)}),
         ("m = import_module('amp_plugin.consistency')", {("amp_plugin.consistency", False)}),
         ("from .base import Kernels", {("amp_plugin.kernels.base", False)}),
         ("from . import base", {("amp_plugin.kernels.base", False)}),
@@ -326,7 +345,7 @@ def test_function_level_imports_are_for_optional_dependencies_only() -> None:
         and i.module(imports) not in needs_optional
     }
     assert offenders - ALLOWED_FUNCTION_LEVEL == set()
-    assert ALLOWED_FUNCTION_LEVEL <= offenders  # a fixed edge leaves the allow-list
+    assert offenders >= ALLOWED_FUNCTION_LEVEL  # a fixed edge leaves the allow-list
 
 
 def _modules_needing_optional(imports: dict[str, list[Import]]) -> set[str]:
@@ -343,3 +362,55 @@ def _modules_needing_optional(imports: dict[str, list[Import]]) -> set[str]:
         needing |= more
         grew = bool(more)
     return needing
+
+
+# -- one public path per name -----------------------------------------------------------------
+
+
+def reexported_names(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Names in ``__all__`` that ``source`` imports instead of defining.
+
+    A package's ``__init__`` may export names of its own submodules (``amp_plugin.LossScaler`` is
+    at home in the package); any other module's ``__all__`` lists only what it defines.
+    """
+    defined: set[str] = set()
+    imported: dict[str, str] = {}
+    exported: list[str] = []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node in tree.body:
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            defined |= names
+            if "__all__" in names and isinstance(node.value, (ast.List, ast.Tuple)):
+                exported = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+        elif isinstance(node, ast.ImportFrom):
+            found = next(iter(imports_in(ast.unparse(node), module, is_package)))
+            imported |= {a.asname or a.name: found.parent or "" for a in node.names}
+    own = module if is_package else None
+    return [
+        name
+        for name in exported
+        if name not in defined and not (own and imported.get(name, "").startswith(f"{own}."))
+    ]
+
+
+def test_a_planted_reexport_is_caught() -> None:
+    module = "from amp_plugin.optim import unwrap_optimizer\n__all__ = ['LossScaler', 'unwrap_optimizer']\n"
+    module += "class LossScaler: ..."
+    assert reexported_names(module, "amp_plugin.scaler") == ["unwrap_optimizer"]
+    package = "from amp_plugin.scaler import LossScaler\nfrom torch import nn\n__all__ = ['LossScaler', 'nn']"
+    assert reexported_names(package, "amp_plugin", is_package=True) == ["nn"]
+    assert reexported_names(package, "amp_plugin.diagnostics", is_package=True) == ["LossScaler", "nn"]
+
+
+def test_every_name_has_one_public_path() -> None:
+    found = {
+        (name, export)
+        for name, path in package_modules().items()
+        for export in reexported_names(path.read_text(), name, path.name == "__init__.py")
+    }
+    assert found - ALLOWED_REEXPORTS == set()
+    assert found >= ALLOWED_REEXPORTS  # a fixed module leaves the allow-list

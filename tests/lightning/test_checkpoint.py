@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from amp_plugin import AMPPrecision, LossScaler
+from amp_plugin.lightning import CHECKPOINT_KEY
 from amp_plugin.lightning.checkpoint import (
     CheckpointHooks,
     check_scaler_state,
@@ -18,7 +19,6 @@ from amp_plugin.lightning.checkpoint import (
     load_scaler_state,
     scaler_state,
 )
-from amp_plugin.plugin import CHECKPOINT_KEY
 
 
 def test_check_checkpoint_accepts_what_loads() -> None:
