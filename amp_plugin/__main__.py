@@ -4,7 +4,5 @@ from __future__ import annotations
 
 from amp_plugin.cli import main
 
-__all__ = ["main"]
-
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,9 +1,9 @@
-"""Optional-dependency probes, evaluated lazily and cached.
+"""Optional-dependency probes: ``lightning_utilities``' ``RequirementCache``, evaluated lazily.
 
-Nothing here runs at import time: ``import amp_plugin`` must never import Apex or
-initialise CUDA. The Apex probe looks for the compiled ``amp_C`` extension and
-``apex.multi_tensor_apply``, never for the bare ``apex`` name (the PyPI package called
-``apex`` is an unrelated web toolkit).
+Nothing here runs at import time: a ``RequirementCache`` only looks when it is asked, so
+``import amp_plugin`` never imports Apex, Lightning or torchao nor initialises CUDA. The Apex probe
+looks for the compiled ``amp_C`` extension and ``apex.multi_tensor_apply``, never for the bare
+``apex`` name (the PyPI package called ``apex`` is an unrelated web toolkit).
 """
 
 from __future__ import annotations
@@ -11,15 +11,19 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
-import importlib.util
 import sys
 from typing import Any
+
+from lightning_utilities.core.imports import RequirementCache
 
 APEX_HINT = (
     "Build NVIDIA Apex from source with its CUDA extensions: "
     "`pip install -v --no-build-isolation --config-settings '--build-option=--cuda_ext' "
     "git+https://github.com/NVIDIA/apex` (the PyPI package named `apex` is unrelated)."
 )
+APEX_MODULES = ("amp_C", "apex.multi_tensor_apply")
+# Read from the installed metadata on first use; nothing is imported.
+_MATPLOTLIB = RequirementCache("matplotlib")
 
 
 @functools.cache
@@ -30,11 +34,13 @@ def apex_error() -> str | None:
         >>> apex_error() is None or isinstance(apex_error(), str)
         True
     """
-    try:
-        importlib.import_module("amp_C")
-        importlib.import_module("apex.multi_tensor_apply")
-    except Exception as err:  # an ImportError, or a broken CUDA build raising anything else
-        return f"{type(err).__name__}: {err}"
+    for module in APEX_MODULES:
+        try:
+            found = bool(RequirementCache(module=module))
+        except Exception as err:  # a broken CUDA build can raise more than ImportError while loading
+            return f"{type(err).__name__}: {err}"
+        if not found:
+            return f"`{module}` does not import"
     return None
 
 
@@ -66,7 +72,7 @@ def import_amp_c() -> tuple[Any, Any]:
 
 
 def matplotlib_available() -> bool:
-    """``True`` when ``import matplotlib`` would succeed; matplotlib itself is not imported.
+    """``True`` when ``import matplotlib`` would succeed, read from its installed metadata (not imported).
 
     Example:
         >>> isinstance(matplotlib_available(), bool)
@@ -74,12 +80,7 @@ def matplotlib_available() -> bool:
     """
     if "matplotlib" in sys.modules:  # imported already, or blocked (None): `import` would answer the same
         return sys.modules["matplotlib"] is not None
-    return _module_found("matplotlib")
-
-
-@functools.cache
-def _module_found(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
+    return bool(_MATPLOTLIB)
 
 
 @functools.cache

@@ -6,20 +6,16 @@ bf16 silently becomes fp16 in ``nn.DataParallel`` replicas; this module carries 
 state instead, together with the torch function modes that ask to be carried (such as
 :class:`~amp_plugin.fp32_policy.Fp32Functions`). Plain torch: nothing here imports Lightning or
 initialises a device.
-
-Precision strings live in :mod:`amp_plugin.precision` and fp32 modules in
-:mod:`amp_plugin.fp32_policy`; their names stay importable from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
@@ -28,52 +24,18 @@ from torch.overrides import TorchFunctionMode
 
 from amp_plugin._validation import autocast_device_types, check_device_type, fail
 
-# Moved names, kept importable from here. fp32_policy builds on this module, so its names load lazily.
-from amp_plugin.precision import (
-    PRECISIONS,
-    Precision,
-    auto_precision_reason,
-    check_device,
-    check_precision,
-    resolve_precision,
-)
-
-if TYPE_CHECKING:
-    from amp_plugin.fp32_policy import Fp32Modules, check_module_classes, force_fp32
-
 __all__ = [
-    "PRECISIONS",
     "AutocastDataParallel",
     "AutocastState",
     "CarriedFunctionMode",
     "DeviceAutocast",
-    "Fp32Modules",
-    "Precision",
-    "auto_precision_reason",
     "autocast_state",
-    "check_device",
-    "check_module_classes",
-    "check_precision",
     "find_data_parallel",
-    "force_fp32",
     "propagate_autocast",
-    "resolve_precision",
 ]
-
-_FP32_POLICY = frozenset({"Fp32Modules", "check_module_classes", "force_fp32"})
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FP32_POLICY:
-        return getattr(importlib.import_module("amp_plugin.fp32_policy"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_FP32_POLICY})
 
 
 class _Carried(threading.local):

@@ -3,7 +3,7 @@
 Every rank should hold the same scale, trackers and step counts, and (under data
 parallelism) the same parameters. :func:`check_consistency` all-gathers one small fp64
 vector per rank and raises naming the ranks that disagree; :class:`ConsistencyCheck` runs
-it every ``n`` steps. Both are importable from :mod:`amp_plugin.distributed` too.
+it every ``n`` steps.
 """
 
 from __future__ import annotations

@@ -7,14 +7,12 @@ inside their kernel), so the inf flag itself is all-reduced (MAX) before any ski
 
 When every rank holds only its shard of the gradients, the clip norm of the whole model
 is reduced from the local norms (:func:`global_norm`); :class:`GlobalNormKernels` plugs
-that into the clipping code. ``check_consistency`` and ``ConsistencyCheck`` (which compare
-the scaler state and a checksum of the parameters across ranks) live in
-:mod:`amp_plugin.consistency` and are importable from here too.
+that into the clipping code. The proof that the ranks agree (``check_consistency``,
+``ConsistencyCheck``) is :mod:`amp_plugin.consistency`, which builds on this module.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -38,18 +36,6 @@ __all__ = [
 ]
 
 SyncMode = Literal["auto"] | bool
-_CONSISTENCY = ("ConsistencyCheck", "check_consistency")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CONSISTENCY:  # imported on use: amp_plugin.consistency imports this module
-        return getattr(importlib.import_module("amp_plugin.consistency"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_CONSISTENCY})
-
 
 
 def check_sync_mode(mode: object, call: str = "LossScaler") -> SyncMode:

@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from amp_plugin._validation import fail
+from amp_plugin.fp32_policy import check_module_classes
 from amp_plugin.optim import unwrap_optimizer
 
 __all__ = ["NORM_LAYERS", "MasterWeights", "NormLayer", "cast_model", "check_half_dtype", "masters_of"]
@@ -397,8 +398,6 @@ def cast_model(
         >>> model.state_dict()["0.weight"].dtype  # the fp32 master
         torch.float32
     """
-    from amp_plugin.fp32_policy import check_module_classes
-
     if not isinstance(module, nn.Module):
         fail("cast_model", f"module={module!r:.80}", "a torch.nn.Module", "pass the model.", TypeError)
     dtype = check_half_dtype("cast_model", dtype)

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from amp_plugin._validation import check_choice, check_int, fail
+from amp_plugin.numerics import stochastic_round
 from amp_plugin.optim import unwrap_optimizer
 
 __all__ = ["KAHAN_KEY", "ROUNDINGS", "RoundedUpdates"]
@@ -123,8 +124,6 @@ class RoundedUpdates:
             wide = p.data
             state = self.optimizer.state[p]
             if self.rounding == "stochastic":
-                from amp_plugin.numerics import stochastic_round
-
                 half.copy_(stochastic_round(wide, half.dtype, self._generator(wide.device)))
             else:
                 half.copy_(wide)  # round to nearest; the error goes into the compensation

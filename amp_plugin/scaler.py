@@ -35,10 +35,10 @@ from amp_plugin.optim import (
     takes_grad_scaler,
     unwrap_optimizer,
 )  # fmt: skip
-from amp_plugin.scale_policy import DynamicScale, ScaleFloorWarning, SkipStreakWarning
+from amp_plugin.scale_policy import DynamicScale
 from amp_plugin.sharding import ShardAwareKernels, has_dtensor
 
-__all__ = ["LossScaler", "ScaleFloorWarning", "SkipStreakWarning", "unwrap_optimizer"]
+__all__ = ["LossScaler"]
 
 T = TypeVar("T")
 
@@ -144,7 +144,7 @@ class LossScaler:
     the scale stays a normal fp32 number. It never lets the scale go below ``min_scale``,
     or below 2**-126 without one (where GradScaler's scale would go on to 0 and turn the
     gradients into NaN); a scale stuck at that floor is reported once with a
-    :class:`ScaleFloorWarning`.
+    :class:`~amp_plugin.scale_policy.ScaleFloorWarning`.
 
     Args:
         device: the device type the scale lives on. ``None`` (the default): wherever the
@@ -599,8 +599,10 @@ class LossScaler:
 
     @property
     def warn_on_skips(self) -> bool:
-        """Whether the scaler warns by itself about a scale stuck at its floor (:class:`ScaleFloorWarning`)
-        and long runs of skipped steps (:class:`SkipStreakWarning`), once each.
+        """Whether the scaler warns by itself (once each) about a floored scale and long runs of skips.
+
+        The warnings are :class:`~amp_plugin.scale_policy.ScaleFloorWarning` and
+        :class:`~amp_plugin.scale_policy.SkipStreakWarning`.
 
         ``True`` by default; ``LossScaleMonitor`` turns it off while it reports these itself.
         """

@@ -34,8 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from amp_plugin import AMPPrecision
-from amp_plugin.callbacks import LossScaleMonitor
+from amp_plugin import AMPPrecision, LossScaleMonitor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from quickstart import Config, MajorityTransformer, make_dataset, quiet_lightning

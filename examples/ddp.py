@@ -3,7 +3,7 @@
 Every rank must take the same skip decision, or the replicas drift apart for good.
 ``LossScaler`` all-reduces its inf flag before each decision (``sync_found_inf="auto"``),
 and at the end this script checks, across ranks, that the scale, the scaler's trackers and
-a checksum of the parameters agree (``amp_plugin.distributed.check_consistency``).
+a checksum of the parameters agree (``amp_plugin.consistency.check_consistency``).
 
 Run::
 
@@ -30,7 +30,7 @@ from quickstart import Config, MajorityTransformer, make_dataset, quiet_lightnin
 from torch.utils.data import DataLoader
 
 from amp_plugin import AMPPrecision, LossScaleMonitor
-from amp_plugin.distributed import check_consistency
+from amp_plugin.consistency import check_consistency
 
 
 class RankSummary(Callback):

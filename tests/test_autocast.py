@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.autocast``: autocast state across threads, DataParallel, re-exported names."""
+"""Tests for ``amp_plugin.autocast``: autocast state across threads, DataParallel."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_plugin import autocast, fp32_policy, precision
+from amp_plugin import fp32_policy
 from amp_plugin.autocast import (
     AutocastDataParallel,
     AutocastState,
@@ -230,23 +230,6 @@ def test_autocast_data_parallel_keeps_bf16_in_cuda_replicas() -> None:
     assert run(AutocastDataParallel) == ({torch.bfloat16}, torch.bfloat16)
     # nn.DataParallel's replica threads fall back to fp16 (torch 2.13): the bf16 request is lost.
     assert run(nn.DataParallel) == ({torch.float16}, torch.float16)
-
-
-# ---------------------------------------------------------------- names that moved
-
-
-def test_moved_names_stay_importable_from_autocast() -> None:
-    from amp_plugin.autocast import check_module_classes, force_fp32  # noqa: F401  (loaded lazily)
-
-    for name in ("PRECISIONS", "Precision", "auto_precision_reason", "check_device", "check_precision",
-                 "resolve_precision"):  # fmt: skip
-        assert getattr(autocast, name) is getattr(precision, name)
-    for name in ("Fp32Modules", "check_module_classes", "force_fp32"):
-        assert getattr(autocast, name) is getattr(fp32_policy, name)
-    assert all(hasattr(autocast, name) for name in autocast.__all__)
-    assert set(autocast.__all__) <= set(dir(autocast))
-    with pytest.raises(AttributeError, match=r"has no attribute 'nothing'"):
-        autocast.nothing  # noqa: B018
 
 
 @pytest.mark.usefixtures("fake_accelerator")

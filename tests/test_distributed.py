@@ -27,11 +27,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amp_plugin import LossScaler
+from amp_plugin.consistency import ConsistencyCheck, check_consistency
 from amp_plugin.distributed import (
-    ConsistencyCheck,
     GlobalNormKernels,
     all_reduce_found_inf,
-    check_consistency,
     check_process_group,
     check_sync_mode,
     global_norm,

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin import LossScaler
-from amp_plugin.scaler import SkipStreakWarning
+from amp_plugin.scale_policy import SkipStreakWarning
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import re
@@ -72,52 +71,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Imports that run when the module is imported: not in functions, not under TYPE_CHECKING."""
-    found: list[ast.Import | ast.ImportFrom] = []
-    body = list(tree.body)
-    while body:
-        node = body.pop(0)
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-            body += node.body + node.orelse
-        elif isinstance(node, ast.Try):
-            body += node.body + node.orelse + node.finalbody
-    return found
-
-
-def _import_graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
-        for node in _top_level_imports(ast.parse(path.read_text())):
-            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:  # a submodule by that name, else a name in the module
-                    sub = f"{node.module}.{alias.name}"
-                    targets.append(sub if sub in modules else node.module)
-            # A package is always initialised before its submodules, so naming it is no cycle.
-            graph[name] |= {t for t in targets if t in modules and t != name and t not in ancestors}
-    return graph
-
-
-def test_no_import_cycles() -> None:
-    graph = _import_graph()
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-
-    def visit(name: str, path: list[str]) -> None:
-        state[name] = 1
-        for dep in sorted(graph[name]):
-            assert state.get(dep) != 1, "import cycle: " + " -> ".join([*path, name, dep])
-            if dep not in state:
-                visit(dep, [*path, name])
-        state[name] = 2
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [])
+# The import graph and its layers: tests/test_layering.py.
 
 
 def _public_objects() -> list[tuple[str, str, object]]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from amp_plugin import LossScaler
-from amp_plugin.scaler import unwrap_optimizer
+from amp_plugin.optim import unwrap_optimizer
 
 OptFactory = Callable[[Any], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, OptFactory] = {

@@ -58,7 +58,8 @@ def _loss_scaler_scales(pattern: str, **kwargs: float) -> list[float]:
     return out
 
 
-@pytest.mark.filterwarnings("ignore::amp_plugin.scaler.ScaleFloorWarning")  # some patterns reach the floor
+# some patterns reach the floor
+@pytest.mark.filterwarnings("ignore::amp_plugin.scale_policy.ScaleFloorWarning")
 @pytest.mark.parametrize("seed", range(6))
 def test_loss_scaler_follows_deepspeed_with_consecutive_hysteresis(seed: int) -> None:
     rng = random.Random(seed)

@@ -18,11 +18,10 @@ from torch import Tensor, nn
 from amp_plugin._validation import check_int, fail
 from amp_plugin.numerics import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 
-__all__ = ["FP16_MAX", "FP16_MIN_NORMAL", "FP16_TINY", "AuditReport", "Finding", "audit_model", "join_names"]
+__all__ = ["AuditReport", "Finding", "audit_model", "join_names"]
 
 Severity = Literal["error", "warning", "info"]
 
-FP16_TINY = FP16_MIN_SUBNORMAL  # the audit's name for it: anything below half of it rounds to 0
 _NATIVE_NORMS: tuple[type[nn.Module], ...] = (
     nn.LayerNorm,
     nn.GroupNorm,
@@ -179,7 +178,7 @@ def _norm(name: str, module: nn.Module) -> Iterator[Finding]:
     eps = getattr(module, "eps", None)
     eps = eps if isinstance(eps, float) else None
     if isinstance(module, _NATIVE_NORMS):
-        if eps is not None and 0 < eps < FP16_TINY:
+        if eps is not None and 0 < eps < FP16_MIN_SUBNORMAL:
             yield Finding(
                 "info",
                 "norm-eps",
@@ -202,7 +201,7 @@ def _norm(name: str, module: nn.Module) -> Iterator[Finding]:
 
 def _custom_norm_message(name: str, module: nn.Module, eps: float | None) -> str:
     note = ""
-    if eps is not None and 0 < eps < FP16_TINY:
+    if eps is not None and 0 < eps < FP16_MIN_SUBNORMAL:
         note = f" Its eps={eps:g} is below fp16's smallest subnormal (6e-8) and is 0 when added in fp16."
     elif eps is not None and 0 < eps < FP16_MIN_NORMAL:
         rounded = float(torch.tensor(eps, dtype=torch.float16))
@@ -256,7 +255,7 @@ def _value_findings(kind: str, name: str, t: Tensor) -> Iterator[Finding]:
             a.isnan().sum(),
             a.isinf().sum(),
             ((a > FP16_MAX) & finite).sum(),
-            ((a < FP16_TINY) & (a > 0)).sum(),
+            ((a < FP16_MIN_SUBNORMAL) & (a > 0)).sum(),
             (a > 0).sum(),
         ]
     )

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from amp_plugin._validation import fail
-from amp_plugin.diagnostics.health import ScaleRecord, SkipHealth
+from amp_plugin.diagnostics.health import SkipHealth
+from amp_plugin.diagnostics.health_state import ScaleRecord
 
 __all__ = ["plot_history"]
 

@@ -2,8 +2,8 @@
 
 ``get_kernels("torch")`` always works. ``get_kernels("apex")`` needs NVIDIA Apex's
 compiled ``amp_C`` extension and CUDA tensors. ``get_kernels("auto", device)`` picks
-Apex for a CUDA device when ``amp_C`` imports, else torch. Importing this package never
-imports Apex.
+Apex for a CUDA device when ``amp_C`` imports, else torch. Each backend is built on first use;
+importing this package never imports Apex (``amp_C`` is imported when ``ApexKernels`` is built).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import torch
 
 from amp_plugin import _imports
 from amp_plugin._validation import _device_hint, fail
+from amp_plugin.kernels.apex import ApexKernels
 from amp_plugin.kernels.base import Kernels
+from amp_plugin.kernels.foreach import TorchKernels
 
 __all__ = ["BACKENDS", "Backend", "Kernels", "get_kernels"]
 
@@ -94,13 +96,9 @@ def _device_type(device: object) -> str | None:
 
 @functools.cache
 def _torch_backend() -> Kernels:
-    from amp_plugin.kernels.foreach import TorchKernels
-
     return TorchKernels()
 
 
 @functools.cache
 def _apex_backend() -> Kernels:
-    from amp_plugin.kernels.apex import ApexKernels
-
     return ApexKernels()

@@ -1,7 +1,7 @@
 """NVIDIA Apex backend: the fused multi-tensor kernels of Apex's compiled ``amp_C`` extension.
 
-This module is imported only when the backend is chosen (see :func:`~amp_plugin.kernels.get_kernels`);
-``amp_C`` itself is imported when :class:`ApexKernels` is constructed. The semantics are those of
+``amp_C`` is imported when :class:`ApexKernels` is constructed (see :func:`~amp_plugin.kernels.get_kernels`),
+never when this module is imported. The semantics are those of
 :mod:`amp_plugin.kernels.base`; what follows is where this backend runs ``amp_C`` and why.
 
 **The host-sync question.** ``amp_C``'s kernel that multiplies (``multi_tensor_scale``) takes

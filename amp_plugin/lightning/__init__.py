@@ -1,7 +1,7 @@
 """The Lightning adapters: the only part of amp_plugin that imports ``lightning``.
 
-``from amp_plugin import AMPPrecision, LossScaleMonitor`` is the usual import (it loads this
-package on first use); ``amp_plugin.plugin`` and ``amp_plugin.callbacks`` still re-export them.
+Import :class:`AMPPrecision`, :class:`AMPFSDPPrecision` and :class:`LossScaleMonitor` from
+``amp_plugin`` (which loads this package on first use); :data:`CHECKPOINT_KEY` from here.
 
 - :class:`AMPPrecision` (``plugin.py``): the precision plugin, a Lightning ``MixedPrecision``.
 - :class:`AMPFSDPPrecision` (``fsdp.py``): Lightning's ``FSDPPrecision`` with a ``LossScaler``.

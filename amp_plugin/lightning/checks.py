@@ -21,6 +21,7 @@ from amp_plugin._validation import check_bool, check_choice, check_int, fail
 from amp_plugin.diagnostics.audit import join_names
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import check_precision
+from amp_plugin.rounded_updates import ROUNDINGS
 from amp_plugin.scaler import LossScaler
 
 __all__ = [
@@ -129,7 +130,6 @@ def check_half_weights(
         ...
         ValueError: AMPPrecision(precision='bf16-true', master_weights=True) is not allowed: ... HINT: ...
     """
-    from amp_plugin.rounded_updates import ROUNDINGS
 
     check_bool("AMPPrecision", "master_weights", master_weights)
     check_choice("AMPPrecision", "rounding", rounding, ROUNDINGS, "use 'stochastic' (or 'nearest').")

@@ -38,7 +38,7 @@ from amp_plugin.scaler import LossScaler
 from amp_plugin.sharding import ShardAwareKernels
 from amp_plugin.step import StepDriver
 
-__all__ = ["CHECKPOINT_KEY", "AMPPrecision"]
+__all__ = ["AMPPrecision"]
 
 
 class AMPPrecision(MixedPrecision):

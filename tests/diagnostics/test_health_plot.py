@@ -11,8 +11,9 @@ import pytest
 pytest.importorskip("matplotlib")
 from matplotlib.figure import Figure
 
-from amp_plugin.diagnostics.health import ScaleRecord, SkipHealth
+from amp_plugin.diagnostics.health import SkipHealth
 from amp_plugin.diagnostics.health_plot import plot_history
+from amp_plugin.diagnostics.health_state import ScaleRecord
 
 
 def _drawn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, records: list[ScaleRecord], **kw: Any) -> Figure:

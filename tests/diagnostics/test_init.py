@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.diagnostics`` itself and the old ``amp_plugin.health`` path: what they re-export."""
+"""Tests for ``amp_plugin.diagnostics`` itself: what the package exports."""
 
 from __future__ import annotations
 
@@ -36,15 +36,3 @@ def test_the_package_exports_each_name_from_its_public_module(name: str, module:
 def test_the_package_exports_exactly_these_names() -> None:
     assert sorted(diagnostics.__all__) == sorted(HOMES)
 
-
-def test_amp_plugin_health_still_offers_every_name() -> None:
-    from amp_plugin import health
-    from amp_plugin.diagnostics import health as skip_health
-    from amp_plugin.diagnostics import health_plot, health_state
-
-    homes = (skip_health, health_plot, health_state)
-    for name in health.__all__:
-        assert any(getattr(m, name, None) is getattr(health, name) for m in homes), name
-    assert {"SkipHealth", "ScaleRecord", "plot_history", "check_monitor_state", "SHOWN_FLAGS"} <= set(
-        health.__all__
-    )

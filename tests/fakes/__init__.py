@@ -11,12 +11,14 @@ Use it from a fixture, so that the real :class:`~amp_plugin.kernels.apex.ApexKer
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
 import pytest
+from lightning_utilities.core.imports import module_available, package_available
 
 from amp_plugin import _imports
 from amp_plugin import kernels as kernels_pkg
@@ -66,6 +68,7 @@ def fake_apex(*, chunk_size: int = CHUNK_SIZE, cpu: bool = True) -> Iterator[Fak
     apex.multi_tensor_apply = launcher  # type: ignore[attr-defined]
     with pytest.MonkeyPatch.context() as patch:
         for name, module in (("amp_C", amp_c), ("apex", apex), ("apex.multi_tensor_apply", launcher)):
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # what find_spec reports of it
             patch.setitem(sys.modules, name, module)
         if cpu:
             from amp_plugin.kernels.apex import ApexKernels
@@ -87,8 +90,12 @@ def no_apex() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _fresh_probes() -> Iterator[None]:
-    """Forget the cached Apex probe and backend on entry and on exit, so neither outlives the patch."""
-    caches = (_imports.apex_error, kernels_pkg._apex_backend)
+    """Forget the cached Apex probe and backend on entry and on exit, so neither outlives the patch.
+
+    ``RequirementCache`` answers through lightning_utilities' process-wide caches of
+    ``module_available``/``package_available``, which are forgotten too.
+    """
+    caches = (_imports.apex_error, kernels_pkg._apex_backend, module_available, package_available)
     for cache in caches:
         cache.cache_clear()
     try:

@@ -17,8 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from amp_plugin import AMPPrecision, LossScaler
-from amp_plugin.callbacks import LossScaleMonitor
+from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
 
 POISON = (7, 8, 19)  # steps whose gradient gets an inf (0-based)
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaler
-from amp_plugin.plugin import CHECKPOINT_KEY
+from amp_plugin.lightning import CHECKPOINT_KEY
 
 POISON_STEPS = (0, 7, 8, 19)  # the first step overflows, as it often does at 2**16
 

@@ -17,8 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaler
-from amp_plugin.lightning import _compat
-from amp_plugin.plugin import CHECKPOINT_KEY
+from amp_plugin.lightning import CHECKPOINT_KEY, _compat
 
 
 def _loader() -> DataLoader:

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from amp_plugin import AMPPrecision, LossScaler
+from amp_plugin.lightning import CHECKPOINT_KEY
 from amp_plugin.lightning.checkpoint import (
     check_scaler_state,
     checkpoint_entry,
     load_scaler_state,
     scaler_state,
 )
-from amp_plugin.plugin import CHECKPOINT_KEY
 
 
 def test_check_checkpoint_accepts_what_loads() -> None:

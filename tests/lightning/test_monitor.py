@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from amp_plugin.callbacks import LossScaleMonitor
-from amp_plugin.health import ScaleRecord, SkipHealth
+from amp_plugin import LossScaleMonitor
+from amp_plugin.diagnostics.health import SkipHealth
+from amp_plugin.diagnostics.health_state import ScaleRecord
 
 
 def _saved() -> dict[str, Any]:
