@@ -30,7 +30,6 @@ from amp_plugin.kernels import Backend, Kernels, get_kernels
 from amp_plugin.optim import (
     GRAD_SCALER_KWARG_WARNING,
     gradients_to_unscale,
-    handles_unscaling,
     step_with_amp_attributes,
     takes_grad_scaler,
     unwrap_optimizer,
@@ -335,7 +334,7 @@ class LossScaler:
                 "step() has already been called on this optimizer since the last update(). "
                 "HINT: call update() once per iteration, after the step() of every optimizer."
             )
-        if handles_unscaling(opt):
+        if _fused(opt):
             return self._fused_step(opt, optimizer, state, *args, **kwargs)
         if state.stage is Stage.READY:
             self.unscale_(opt)
@@ -470,7 +469,7 @@ class LossScaler:
         carried = self._carried_factor(opt) if ready else state.grad_scale
         # Fold only while the gradients still carry a factor: once unscaled in memory, the
         # in-place multiply is torch's own recipe, bit for bit.
-        fold = carried is not None and handles_unscaling(opt)
+        fold = carried is not None and _fused(opt)
         result = clipping.clip_grad_norm_(
             kernels or self._backend(), grads, max_norm, norm_type,
             grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
@@ -524,8 +523,8 @@ class LossScaler:
         """
         scale = self._require_scale("clip")
         if self._guard_only:
-            return getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
-        preset = getattr(opt, "grad_scale", None) if handles_unscaling(opt) else None
+            return getattr(opt, "grad_scale", None) if _fused(opt) else None
+        preset = getattr(opt, "grad_scale", None) if _fused(opt) else None
         return scale if preset is None else scale * preset
 
     def recheck_(self, optimizer: Any) -> None:
@@ -718,6 +717,11 @@ class LossScaler:
     def _forget(self, optimizer: Any) -> None:
         """Drop this iteration's state of ``optimizer``: its gradients will not be stepped."""
         self._iteration.forget(id(unwrap_optimizer(optimizer)))
+
+
+def _fused(opt: Any) -> bool:
+    """:func:`~amp_plugin.optim.handles_unscaling` for an optimizer that is unwrapped already."""
+    return bool(getattr(opt, "_step_supports_amp_scaling", False))
 
 
 def _guard_only(policy: DynamicScale) -> bool:

@@ -113,10 +113,10 @@ class StepDriver:
         if scaler is None:
             run_hooks()
             return optimizer.step(**kwargs)
-        self._arm(scaler, opt)
+        stage = self._arm(scaler, opt)
         # A guard has nothing to unscale: its one check runs after the hooks (in a clip, or in step).
         observe_unscaled = observe_unscaled and not scaler.is_guard
-        if observe_unscaled and scaler.stage(opt) == "ready":
+        if observe_unscaled and stage == "ready":
             scaler.unscale_(opt)  # the hooks below see unscaled gradients
         norm_clipped = run_hooks()
         if observe_unscaled and not norm_clipped:
@@ -174,10 +174,14 @@ class StepDriver:
             self._batch = torch.stack([torch.as_tensor(f, dtype=torch.float32) for f in flags]).amax()
         self._last = None  # from here on last_step_skipped describes the whole batch
 
-    def _arm(self, scaler: LossScaler, opt: Any) -> None:
-        """Let manual optimization step an optimizer again in a batch (a WGAN critic), after a backward."""
+    def _arm(self, scaler: LossScaler, opt: Any) -> str:
+        """Let manual optimization step an optimizer again in a batch (a WGAN critic), after a backward.
+
+        Returns the optimizer's stage from here on (``"ready"`` once re-armed).
+        """
         key = id(opt)
-        if scaler.stage(opt) == "stepped":
+        stage = scaler.stage(opt)
+        if stage == "stepped":
             if key in self._stepped_since_backward:
                 raise RuntimeError(
                     f"{type(opt).__name__} was stepped twice in one training_step with no backward in "
@@ -185,4 +189,6 @@ class StepDriver:
                     "call manual_backward (and zero_grad) before each step of the same optimizer."
                 )
             scaler._rearm(opt)  # skipped on its own gradients; one scale update per batch
+            stage = "ready"
         self._stepped_since_backward.add(key)
+        return stage
