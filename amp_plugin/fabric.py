@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -77,7 +78,6 @@ class AMPPrecision(MixedPrecision):
         self.device, self.dtype, self.precision = checks.resolve_settings(  # type: ignore[assignment]
             precision, fallback if device is None else device
         )
-        self._desired_input_dtype = self.dtype  # what MixedPrecision.convert_input casts inputs to
         if isinstance(scaler, torch.amp.GradScaler):
             scaler = LossScaler.from_grad_scaler(scaler)
         if scaler is None and self.dtype == torch.float16:
@@ -93,6 +93,11 @@ class AMPPrecision(MixedPrecision):
         # cache_enabled=False, as in the Trainer plugin: ``fabric.autocast()`` may span a no_grad
         # forward and a later one with grad, and a cached weight cast would carry no history.
         return torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Floating-point input tensors in the autocast dtype, as Fabric's ``MixedPrecision`` casts them."""
+        return apply_to_collection(data, Tensor, _to_dtype, self.dtype)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -155,3 +160,7 @@ class AMPPrecision(MixedPrecision):
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None
+
+
+def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor

@@ -4,8 +4,8 @@ Each function below reads one Lightning internal; ``test_lightning_internals_we_
 in ``tests/integration/test_plugin_lightning.py`` pins every entry of ``__all__``, so a Lightning
 upgrade that renames one fails there rather than in a user's run. Also relied upon:
 
-- ``Precision._after_closure`` is overridden by ``AMPPrecision``: Lightning calls it between the
-  closure and the step (from ``Precision._wrap_closure`` and ``MixedPrecision.optimizer_step``).
+- ``Precision._after_closure`` (read through :func:`after_closure`) is the order Lightning runs
+  between the closure and the step; ``AMPFSDPPrecision`` inherits it from ``FSDPPrecision``.
 - Lightning files a precision plugin's non-empty ``state_dict`` under the class's ``__qualname__``
   (``"MixedPrecision"`` for its own; the pre-2.0 key was ``"native_amp_scaling_state"``), which is
   where :mod:`amp_plugin.lightning.checkpoint` looks for a foreign scaler state. Lightning also loads

@@ -301,7 +301,7 @@ class AMPPrecision(MixedPrecision):
         if closure_result is None and model.automatic_optimization:
             self._no_clip = True
             try:
-                driver.not_stepped(optimizer, lambda: self._after_closure(model, optimizer))
+                driver.not_stepped(optimizer, lambda: self._observe_gradients(model, optimizer))
             finally:
                 self._no_clip = False
             self.last_grad_norm = None
@@ -314,7 +314,7 @@ class AMPPrecision(MixedPrecision):
     def _run_hooks(self, model: LightningModule, optimizer: Any) -> bool:
         """``on_before_optimizer_step`` and clipping; whether a norm clip ran (it checked the gradients)."""
         self._norm_clipped = False
-        self._after_closure(model, optimizer)
+        self._observe_gradients(model, optimizer)
         return self._norm_clipped
 
     def _require_driver(self) -> StepDriver:
@@ -323,9 +323,9 @@ class AMPPrecision(MixedPrecision):
         assert self._driver is not None  # set by _resolve
         return self._driver
 
-    @override
-    def _after_closure(self, model: LightningModule, optimizer: Any) -> None:
-        _compat.after_closure(self, model, optimizer)  # on_before_optimizer_step hooks, then clipping
+    def _observe_gradients(self, model: LightningModule, optimizer: Any) -> None:
+        """Between backward and step: the ``on_before_optimizer_step`` hooks, then clipping, then the norm."""
+        _compat.after_closure(self, model, optimizer)  # Lightning's own order of the two
         if self._want_grad_norm and self.last_grad_norm is None:
             self.last_grad_norm = self._grad_norm(optimizer)
         self._want_grad_norm = False

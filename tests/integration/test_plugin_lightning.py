@@ -87,7 +87,7 @@ def test_lightning_internals_we_read_still_exist() -> None:
     # The dict callback_metrics returns is kept: what a callback writes into it is still there.
     trainer.callback_metrics["amp/pinned"] = torch.tensor(1.0)
     assert "amp/pinned" in trainer.callback_metrics
-    # We override Precision._after_closure, the hook Lightning calls between the closure and the step.
+    # We call Precision._after_closure, the hook Lightning runs between the closure and the step.
     assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
     assert "_after_closure" in inspect.getsource(MixedPrecision.optimizer_step)
     assert "_after_closure" in inspect.getsource(Precision._wrap_closure)
