@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -58,7 +57,7 @@ class AMPPrecision(MixedPrecision):
 
     scaler: LossScaler | None  # type: ignore[assignment]  # MixedPrecision's is a GradScaler
 
-    def __init__(  # MixedPrecision.__init__ is not called: it would build a torch GradScaler
+    def __init__(
         self,
         precision: Literal["16-mixed", "bf16-mixed", "auto"] = "auto",
         device: str | None = None,
@@ -73,15 +72,16 @@ class AMPPrecision(MixedPrecision):
         check_choice("AMPPrecision (Fabric)", "precision", precision, allowed, hint)
         self.kernels = check_backend(kernels)
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
-        self.requested = precision
         fallback = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device, self.dtype, self.precision = checks.resolve_settings(  # type: ignore[assignment]
-            precision, fallback if device is None else device
-        )
+        device_type, dtype, name = checks.resolve_settings(precision, fallback if device is None else device)
         if isinstance(scaler, torch.amp.GradScaler):
             scaler = LossScaler.from_grad_scaler(scaler)
-        if scaler is None and self.dtype == torch.float16:
+        if scaler is None and dtype == torch.float16:
             scaler = LossScaler(kernels=self.kernels)
+        # Fabric's own set-up (precision, device, scaler, the input dtype its ThroughputMonitor reads);
+        # given a scaler, it builds no GradScaler.
+        super().__init__(name, device_type, scaler=scaler)  # type: ignore[arg-type]
+        self.requested, self.dtype = precision, dtype
         self.scaler = scaler
         if scaler is None and guard:  # bf16: nothing to scale, but every step is still checked
             scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
@@ -93,11 +93,6 @@ class AMPPrecision(MixedPrecision):
         # cache_enabled=False, as in the Trainer plugin: ``fabric.autocast()`` may span a no_grad
         # forward and a later one with grad, and a cached weight cast would carry no history.
         return torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        """Floating-point input tensors in the autocast dtype, as Fabric's ``MixedPrecision`` casts them."""
-        return apply_to_collection(data, Tensor, _to_dtype, self.dtype)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -160,7 +155,3 @@ class AMPPrecision(MixedPrecision):
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None
-
-
-def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
-    return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor

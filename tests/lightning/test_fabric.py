@@ -251,3 +251,16 @@ def test_guard_false_leaves_bf16_unguarded() -> None:
     fabric, model, opt = _setup(plugin)
     _train(fabric, model, opt, range(1), poison=(0,))
     assert not bool(torch.isfinite(_flat(model)).all())
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)]
+)
+def test_fabrics_throughput_utilities_read_the_right_dtype(precision: str, dtype: torch.dtype) -> None:
+    """Fabric's own MixedPrecision set-up runs, so its utilities find what they read (no GradScaler built)."""
+    from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype
+
+    plugin = AMPPrecision(precision, device="cpu")
+    assert _plugin_to_compute_dtype(plugin) == dtype
+    assert plugin.scaler is None or isinstance(plugin.scaler, LossScaler)
+    assert plugin.convert_input(torch.ones(2)).dtype == dtype
