@@ -72,10 +72,10 @@ from _common import default_device, environment, format_table, synchronize, writ
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision
+from amp_plugin.diagnostics.host_reads import HostReads
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FP32 = "fp32"
@@ -319,19 +319,6 @@ class BatchTimer(Callback):
         # The median step, not the mean: a step during which another process held the core
         # says nothing about either set-up, and on a shared 2-core machine there are many.
         return self.batch_size / statistics.median(self.step_seconds)
-
-
-class HostReads(TorchDispatchMode):
-    """Counts host reads of tensor values (``aten._local_scalar_dense``: ``.item()``, ``bool(t)``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 class ReadsPerStep(Callback):

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin import LossScaler
+from amp_plugin.diagnostics.host_reads import HostReads
 from amp_plugin.scale_policy import SkipStreakWarning
 
 
@@ -28,19 +28,6 @@ def _guard(**kwargs: Any) -> LossScaler:
 
 
 SCALERS = [_guard, lambda: LossScaler("cpu", init_scale=256.0)]
-
-
-class _HostReads(TorchDispatchMode):
-    """Counts the reads of a tensor's value on the host (``.item()``, ``bool(t)``...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_guard_passes_the_loss_through_and_never_writes_the_gradients() -> None:
@@ -148,7 +135,7 @@ def test_one_step_reads_the_skip_flag_at_most_once(scaler: Any, fused: bool, rea
     )  # fmt: skip
     s = scaler()
     _train(s, opt, model, 1.0)  # the first step creates the scale and the optimizer state
-    with _HostReads() as mode:
+    with HostReads() as mode:
         _train(s, opt, model, 1.0)
         skipped = s.last_step_skipped if not fused else None
     assert mode.count == reads and skipped in (False, None)

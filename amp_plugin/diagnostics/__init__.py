@@ -14,6 +14,8 @@ One public module per idea; their main names are importable from here too:
   supports and which precision to use; :mod:`~amp_plugin.diagnostics.autocast_ops`:
   :func:`probe_autocast_ops` runs common ops under autocast and records the dtype each returns.
   Together they back ``python -m amp_plugin doctor``.
+* :mod:`~amp_plugin.diagnostics.host_reads`: :class:`~amp_plugin.diagnostics.host_reads.HostReads`
+  counts the reads of tensor values back to the host (each one a device sync on a GPU).
 * :mod:`~amp_plugin.diagnostics.health`: :class:`~amp_plugin.diagnostics.health.SkipHealth`
   classifies a run's skipped steps (behind ``LossScaleMonitor``).
 

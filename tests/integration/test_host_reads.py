@@ -16,29 +16,18 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
+from amp_plugin.diagnostics.host_reads import HostReads
 
 STEPS, LOG_EVERY = 12, 4
-
-
-class _HostReads(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _PerStep(Callback):
     """Reads per batch, from the batch's start to the end of every other callback's batch end."""
 
-    def __init__(self, mode: _HostReads) -> None:
+    def __init__(self, mode: HostReads) -> None:
         self.mode, self.start, self.per_step = mode, 0, []
 
     def on_train_batch_start(self, *args: Any) -> None:
@@ -69,7 +58,7 @@ class _Model(LightningModule):
 
 
 def _reads(plugin: Any, fused: bool, monitor: bool) -> list[int]:
-    mode = _HostReads()
+    mode = HostReads()
     counter = _PerStep(mode)
     callbacks: list[Callback] = [LossScaleMonitor(), counter] if monitor else [counter]
     g = torch.Generator().manual_seed(1)
