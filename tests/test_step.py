@@ -1,0 +1,105 @@
+"""``StepDriver``: one guarded optimizer step's order, in plain torch (no Lightning)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from amp_plugin import LossScaler
+from amp_plugin.step import StepDriver
+
+
+def _model_and_opt(fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    if fused:
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _backward(driver: StepDriver, model: torch.nn.Module, value: float = 1.0) -> None:
+    assert driver.scaler is not None
+    driver.backward_done()
+    driver.scaler.scale(model(torch.full((3, 4), value)).sum()).backward()
+
+
+def test_the_hooks_see_unscaled_gradients_and_a_nan_they_write_skips_the_step() -> None:
+    model, opt = _model_and_opt()
+    driver = StepDriver(LossScaler("cpu", init_scale=2.0**8))
+    _backward(driver, model)
+    seen: list[float] = []
+
+    def hooks() -> bool:
+        grad = model.bias.grad
+        assert grad is not None
+        seen.append(float(grad[0]))  # unscaled: 3 rows of ones
+        grad[0] = float("nan")
+        return False
+
+    before = [p.detach().clone() for p in model.parameters()]
+    assert driver.step(opt, hooks) is None
+    assert seen == [3.0]
+    assert driver.last_step_skipped and driver.step_skipped(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_fast_path_leaves_the_hooks_the_scaled_gradients() -> None:
+    model, opt = _model_and_opt()
+    driver = StepDriver(LossScaler("cpu", init_scale=2.0**8))
+    _backward(driver, model)
+    seen: list[float] = []
+    driver.step(opt, lambda: bool(seen.append(float(model.bias.grad[0])) or False), observe_unscaled=False)
+    assert seen == [3.0 * 2**8] and not driver.last_step_skipped
+
+
+@pytest.mark.parametrize(("fused", "known"), [(False, bool), (True, torch.Tensor)])
+def test_a_non_fused_skip_is_known_on_the_host_and_a_fused_one_stays_on_the_device(
+    fused: bool, known: type
+) -> None:
+    model, opt = _model_and_opt(fused)
+    driver = StepDriver(LossScaler("cpu", init_scale=1.0, dynamic=False))
+    _backward(driver, model, float("inf"))
+    driver.step(opt, lambda: False)
+    assert isinstance(driver.last_skip, known)
+    assert driver.known_skip(opt) == (None if fused else True)
+    assert driver.last_step_skipped  # reads the device flag where it has to
+
+
+def test_manual_optimization_updates_the_scale_once_per_batch() -> None:
+    model, opt = _model_and_opt()
+    driver = StepDriver(LossScaler("cpu", init_scale=2.0**8, growth_interval=1))
+    for _ in range(2):  # a critic stepped twice in one batch, each after its own backward
+        _backward(driver, model)
+        driver.step(opt, lambda: False, update=False)
+    assert driver.scaler is not None and driver.scaler.total_steps == 0
+    driver.end_batch()
+    assert driver.scaler.total_steps == 1 and driver.scaler.get_scale() == 2.0**9
+
+
+def test_stepping_twice_without_a_backward_raises_with_a_hint() -> None:
+    model, opt = _model_and_opt()
+    driver = StepDriver(LossScaler("cpu"))
+    _backward(driver, model)
+    driver.step(opt, lambda: False, update=False)
+    with pytest.raises(RuntimeError, match=r"stepped twice.*HINT: call manual_backward"):
+        driver.step(opt, lambda: False, update=False)
+
+
+def test_a_batch_without_gradients_is_not_stepped_and_counts_as_skipped() -> None:
+    _, opt = _model_and_opt()
+    driver = StepDriver(LossScaler("cpu"))
+    ran: list[Any] = []
+    driver.not_stepped(opt, lambda: ran.append(True))
+    assert ran == [True] and driver.step_skipped(opt) and driver.known_skip(opt) is True
+
+
+def test_without_a_scaler_the_driver_steps_unguarded() -> None:
+    model, opt = _model_and_opt()
+    moved: list[Any] = []
+    driver = StepDriver(None, before_step=moved.append)
+    model(torch.full((3, 4), float("inf"))).sum().backward()
+    driver.step(opt, lambda: False)
+    assert moved == [opt]  # master gradients would move here
+    assert not torch.isfinite(model.weight).all() and not driver.last_step_skipped
