@@ -112,10 +112,14 @@ class Iteration:
 
     def skipped_on_host(self) -> bool | None:
         """Whether any step of the iteration was skipped, if every step read its flag; else ``None``."""
-        states = self.states.values()
-        if self.retired or not states or any(s.skipped is None for s in states):
+        if self.retired or not self.states:
             return None
-        return any(s.skipped for s in states)
+        skipped = False
+        for state in self.states.values():
+            if state.skipped is None:
+                return None
+            skipped = skipped or state.skipped
+        return skipped
 
     def rearm(self, key: int, agree: Callable[[OptimizerState], None]) -> None:
         """Let that optimizer run READY -> STEPPED again; its flag so far still counts for ``update()``."""

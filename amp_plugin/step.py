@@ -166,10 +166,10 @@ class StepDriver:
         if self.scaler is not None:
             self.scaler.update()
         flags, self._in_batch = self._in_batch, []
-        if all(isinstance(f, bool) for f in flags):
-            self._batch = any(flags)
-        elif len(flags) == 1:
+        if len(flags) == 1:  # automatic optimization: the batch's one step
             self._batch = flags[0]
+        elif all(isinstance(f, bool) for f in flags):
+            self._batch = any(flags)
         else:  # one device op per batch; nothing is read
             self._batch = torch.stack([torch.as_tensor(f, dtype=torch.float32) for f in flags]).amax()
         self._last = None  # from here on last_step_skipped describes the whole batch
