@@ -370,17 +370,17 @@ def test_pickling_mid_iteration_raises_and_leaves_the_scaler_usable(after: str) 
 
 
 @pytest.mark.parametrize("overflow", [False, True])
-@pytest.mark.parametrize("explicit_unscale", [False, True])
+@pytest.mark.parametrize("unscale", ["none", "after-preset", "before-preset"])
 @pytest.mark.parametrize("preset", [None, 3.0])
 def test_fused_adamw_with_preset_grad_scale_matches_torch(
-    preset: float | None, explicit_unscale: bool, overflow: bool
+    preset: float | None, unscale: str, overflow: bool
 ) -> None:
     """A user-set ``optimizer.grad_scale`` divides the gradients the fused step sees.
 
     From torch's GradScaler.step: without an explicit unscale_ the optimizer gets
     ``grad_scale = scale * preset``; after unscale_ it gets the preset alone (the gradients
-    are already unscaled). Either way the step sees ``gradient / preset``, and the attribute
-    is deleted after the step.
+    are already unscaled). Either way the step sees ``gradient / preset``, whether the preset
+    was set before or after unscale_, and the attribute is deleted after the step.
     """
     coeff = torch.tensor([3.0, 6.0, -3.0])
 
@@ -393,9 +393,11 @@ def test_fused_adamw_with_preset_grad_scale_matches_torch(
             scaler.scale((p * coeff).sum()).backward()
             if overflow and i == 1:
                 poison([p], "middle", float("inf"))
+            if unscale == "before-preset":
+                scaler.unscale_(opt)
             if preset is not None:
                 opt.grad_scale = torch.tensor(preset)
-            if explicit_unscale:
+            if unscale == "after-preset":
                 scaler.unscale_(opt)
             skipped = step(scaler, opt)
             trace.extra.append((hasattr(opt, "grad_scale"), hasattr(opt, "found_inf")))
@@ -633,7 +635,9 @@ def test_disabled_scaler_passes_through_like_torch() -> None:
             before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
             scaler.unscale_(opt)
             assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+            weights = [p.detach().clone() for p in model.parameters()]
             assert scaler.step(opt, lambda: torch.tensor(7.0)) == torch.tensor(7.0)  # the closure's loss
+            assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
             scaler.update()
             scaler.update(new_scale=4.0)
             trace.close(scaler, [opt], [False])
