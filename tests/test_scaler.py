@@ -13,6 +13,7 @@ from torch import nn
 
 from amp_plugin import LossScaler
 from amp_plugin.optim import unwrap_optimizer
+from tests._scaler_twins import same_bits
 
 OptFactory = Callable[[Any], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, OptFactory] = {
@@ -223,6 +224,20 @@ def test_loads_a_torch_grad_scaler_state_dict() -> None:
     ours.load_state_dict(sd)
     assert ours.get_scale() == 512.0 and ours.get_growth_interval() == 9
     assert torch_scaler.state_dict() == {k: ours.state_dict()[k] for k in sd}
+
+
+def test_fp16_loss_is_upcast_before_scaling() -> None:
+    """The one deliberate difference from GradScaler (a 0-dim fp16 loss is promoted by both)."""
+    scalar = torch.tensor(3.7, dtype=torch.float16)
+    theirs, ours = torch.amp.GradScaler("cpu", init_scale=2.0**16), LossScaler(init_scale=2.0**16)
+    assert same_bits(ours.scale(scalar), theirs.scale(scalar))
+
+    loss = torch.tensor([10.0, 0.5, -3.0], dtype=torch.float16)
+    from_torch, from_ours = theirs.scale(loss), ours.scale(loss)
+    # torch keeps fp16 (and overflows), LossScaler upcasts to fp32 first: the trap it avoids
+    assert from_torch.dtype == torch.float16 and not torch.isfinite(from_torch).all()
+    assert from_ours.dtype == torch.float32 and torch.isfinite(from_ours).all()
+    assert same_bits(from_ours, loss.float() * 2.0**16)
 
 
 def test_scale_rejects_what_is_not_a_tensor_or_a_nesting_of_tensors() -> None:

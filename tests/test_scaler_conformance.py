@@ -4,7 +4,8 @@ Every scenario runs the same seeded loop twice, once under ``torch.amp.GradScale
 (the oracle) and once under ``LossScaler(device="cpu")``, and compares the scale after
 every ``update()``, which optimizer steps were skipped, and every parameter and
 optimizer-state tensor after every iteration (see ``_scaler_twins``). Where LossScaler
-deliberately differs (fp16 losses are upcast) the test asserts the documented difference.
+deliberately differs (fp16 losses are upcast) ``test_scaler.py`` asserts the documented
+difference (``test_fp16_loss_is_upcast_before_scaling``, which docs/comparison.md cites).
 """
 
 from __future__ import annotations
@@ -677,7 +678,7 @@ def test_update_with_new_scale_float_and_tensor_matches_torch() -> None:
     assert theirs.scales[3] == 5.0 and theirs.scales[6] == 0.75
 
 
-# -- 13. the scale only changes in update(); scale() of nested outputs; fp16 losses ------------
+# -- 13. the scale only changes in update(); scale() of nested outputs ------------
 
 
 def test_the_scale_changes_only_in_update() -> None:
@@ -730,19 +731,6 @@ def test_scale_of_nested_lists_and_tuples_matches_torch() -> None:
     assert len(flat_theirs) == len(flat_ours)
     for x, y in zip(flat_theirs, flat_ours, strict=True):
         assert same_bits(x, y), (x, y)
-
-
-def test_fp16_losses_scalar_equal_non_scalar_upcast_on_purpose() -> None:
-    scalar = torch.tensor(3.7, dtype=torch.float16)
-    theirs, ours = grad_scaler(init_scale=2.0**16), loss_scaler(init_scale=2.0**16)
-    assert same_bits(ours.scale(scalar), theirs.scale(scalar))  # both promote a 0-dim fp16 loss to fp32
-
-    loss = torch.tensor([10.0, 0.5, -3.0], dtype=torch.float16)
-    from_torch, from_ours = theirs.scale(loss), ours.scale(loss)
-    # the documented difference: torch keeps fp16 (and overflows), LossScaler upcasts to fp32 first
-    assert from_torch.dtype == torch.float16 and not torch.isfinite(from_torch).all()
-    assert from_ours.dtype == torch.float32 and torch.isfinite(from_ours).all()
-    assert same_bits(from_ours, loss.float() * 2.0**16)
 
 
 def test_snapshot_comparison_can_fail() -> None:
