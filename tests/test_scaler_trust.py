@@ -1,13 +1,15 @@
 """LossScaler must never let a non-finite value reach the weights, and must refuse bad input cleanly.
 
 Each test here failed on the scaler before the fix it pins (collapse to 0, a NaN written
-after unscale_, a dropped preset grad_scale, bad limits and states accepted).
+after unscale_, bad limits and states accepted). The dropped preset grad_scale is pinned
+against GradScaler in test_scaler_conformance.py (the preset set before or after unscale_).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -175,29 +177,6 @@ def test_found_inf_reports_this_iterations_flag() -> None:
     assert scaler.found_inf(opt) is None
 
 
-# -- fused optimizers: a preset grad_scale survives an explicit unscale_ ---------------------
-
-
-@pytest.mark.parametrize("explicit_unscale", [False, True])
-def test_preset_grad_scale_matches_grad_scaler(explicit_unscale: bool) -> None:
-    results = []
-    for make in (
-        lambda: torch.amp.GradScaler("cpu", init_scale=4.0),
-        lambda: LossScaler("cpu", init_scale=4.0),
-    ):
-        scaler = make()
-        model, opt = _model_and_opt(fused=True)
-        _backward(scaler, model)
-        if explicit_unscale:
-            scaler.unscale_(opt)
-        opt.grad_scale = torch.tensor(3.0)  # type: ignore[attr-defined]
-        scaler.step(opt)
-        scaler.update()
-        assert not hasattr(opt, "grad_scale")
-        results.append(_params(model))
-    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
-
-
 # -- bad input: a clear error, nothing changed --------------------------------------------------
 
 
@@ -288,24 +267,40 @@ def test_load_state_dict_is_refused_between_backward_and_step() -> None:
     assert scaler.get_scale() == 1024.0
 
 
-@pytest.mark.parametrize(
-    ("change", "match"),
-    [
-        ({"_growth_tracker": 2000}, r"_growth_tracker=2000\) is not allowed: an int in \[0, 1999\]"),
-        ({"_hysteresis_tracker": 10**6}, r"_hysteresis_tracker=1000000"),
-        ({"skipped_steps": 5, "total_steps": 4}, r"skipped_steps=5"),
-        ({"scale": math.nan}, "init_scale=nan"),
-        ({"scale": 0.0}, "init_scale=0.0"),
-        ({"total_steps": -1}, "total_steps=-1"),
-        ({"_growth_tracker": 1.5}, r"_growth_tracker=1.5\) is not allowed: an int"),
-        ({"dynamic": "yes"}, "dynamic='yes'"),
-    ],
-)
-def test_corrupt_states_are_refused_and_change_nothing(change: dict[str, Any], match: str) -> None:
+def _changed(**change: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda state: {**state, **change}
+
+
+CORRUPT_STATES = [
+    (lambda state: {}, "empty dict comes from a disabled scaler"),
+    (lambda state: [1, 2], "expected the non-empty dict"),
+    (lambda state: {"scale": 1.0}, "missing keys"),
+    (_changed(weird=1), "unknown keys"),
+    (_changed(_growth_tracker=-1), r"_growth_tracker=-1\) is not allowed"),
+    (_changed(_growth_tracker=2000), r"_growth_tracker=2000\) is not allowed: an int in \[0, 1999\]"),
+    (_changed(_growth_tracker=1.5), r"_growth_tracker=1.5\) is not allowed: an int"),
+    (_changed(_hysteresis_tracker=10**6), r"_hysteresis_tracker=1000000"),
+    (_changed(skipped_steps=5, total_steps=4), r"skipped_steps=5"),
+    (_changed(scale=math.nan), "init_scale=nan"),
+    (_changed(scale=0.0), "init_scale=0.0"),
+    (_changed(growth_factor=0.5), "growth_factor"),
+    (_changed(total_steps=-1), "total_steps=-1"),
+    (_changed(dynamic="yes"), "dynamic='yes'"),
+]
+
+
+@pytest.mark.parametrize("used", [False, True], ids=["fresh", "between-iterations"])
+@pytest.mark.parametrize(("corrupt", "match"), CORRUPT_STATES)
+def test_corrupt_states_are_refused_and_change_nothing(
+    corrupt: Callable[[dict[str, Any]], Any], match: str, used: bool
+) -> None:
     scaler = LossScaler("cpu", init_scale=8.0, hysteresis=2)
+    if used:
+        scaler.scale(torch.ones(()))
+        scaler.update(new_scale=8.0)  # closes the iteration: a state may be loaded now
     before = scaler.state_dict()
     with pytest.raises(ValueError, match=match) as info:
-        scaler.load_state_dict({**before, **change})
+        scaler.load_state_dict(corrupt(before))
     assert "HINT" in str(info.value)
     assert scaler.state_dict() == before
 
@@ -322,6 +317,19 @@ def test_corrupt_states_are_refused_and_change_nothing(change: dict[str, Any], m
         ({"device": 0}, TypeError, r"device=0"),
         ({"kernels": "apex"}, RuntimeError, r"kernels='apex'.*amp_C"),
         ({"sync_found_inf": 1}, ValueError, r"sync_found_inf=1"),
+        ({"sync_found_inf": "yes"}, ValueError, r"sync_found_inf='yes'"),
+        ({"init_scale": 0.0}, ValueError, r"init_scale=0.0.*finite number >="),
+        ({"init_scale": float("inf")}, ValueError, "init_scale=inf"),
+        ({"growth_factor": 1.0}, ValueError, r"growth_factor=1.0.*> 1"),
+        ({"backoff_factor": 1.0}, ValueError, r"backoff_factor=1.0.*\(0, 1\)"),
+        ({"backoff_factor": 0.0}, ValueError, "backoff_factor=0.0"),
+        ({"growth_interval": 0}, ValueError, "growth_interval=0"),
+        ({"growth_interval": 2.5}, ValueError, "growth_interval=2.5"),
+        ({"hysteresis": 0}, ValueError, r"hysteresis=0.*int >= 1"),
+        ({"min_scale": -1.0}, ValueError, "min_scale=-1.0"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, ValueError, "min_scale <= max_scale"),
+        ({"init_scale": 1.0, "min_scale": 2.0}, ValueError, r"init_scale=1.0.*within"),
+        ({"kernels": "cuda"}, ValueError, r"kernels='cuda'.*allowed"),
     ],
 )
 def test_bad_constructor_arguments_raise(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

@@ -13,11 +13,9 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import Kernels
-from amp_plugin.kernels.foreach import TorchKernels
 
 FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 CPU = torch.device("cpu")
-ORACLE = TorchKernels()
 SMALL_CHUNK = 64  # the double then sums several chunks per tensor, as amp_C's blocks do
 
 MIXES = {"fp32": (FP32,), "fp16": (FP16,), "bf16": (BF16,), "mixed": (FP16, FP32, BF16)}
@@ -75,14 +73,6 @@ def assert_bit_identical(actual: Sequence[Tensor], expected: Sequence[Tensor]) -
         nan = got.isnan()
         assert torch.equal(nan, want.isnan())
         assert torch.equal(got[~nan].view(as_int[got.dtype]), want[~nan].view(as_int[want.dtype]))
-
-
-def fp64_norm(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
-    flat = [tensor.detach().double().cpu().reshape(-1) for tensor in tensors]
-    norm: Tensor = torch.linalg.vector_norm(
-        torch.cat(flat) if flat else torch.zeros(0, dtype=FP64), norm_type
-    )
-    return norm
 
 
 @contextlib.contextmanager
