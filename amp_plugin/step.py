@@ -83,7 +83,8 @@ class StepDriver:
         run_hooks()
         if self.scaler is not None:
             self.scaler._forget(opt)  # nothing of this batch may be taken for the next one's state
-        self._record(opt, True)
+        # Holds its scheduler; no scale update follows, so it is no part of the next batch's flags.
+        self._skips[id(opt)] = self._last = True
 
     def step(
         self,

@@ -103,3 +103,13 @@ def test_without_a_scaler_the_driver_steps_unguarded() -> None:
     driver.step(opt, lambda: False)
     assert moved == [opt]  # master gradients would move here
     assert not torch.isfinite(model.weight).all() and not driver.last_step_skipped
+
+
+def test_a_batch_without_gradients_does_not_mark_the_next_batch_as_skipped() -> None:
+    model, opt = _model_and_opt()
+    driver = StepDriver(LossScaler("cpu", init_scale=2.0**8))
+    driver.not_stepped(opt, lambda: None)
+    assert driver.last_step_skipped
+    _backward(driver, model)
+    driver.step(opt, lambda: False)
+    assert not driver.last_step_skipped and driver.last_skip is False
