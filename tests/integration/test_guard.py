@@ -245,3 +245,17 @@ def test_a_corrupt_guard_entry_is_refused_before_anything_loads() -> None:
     entry = {"precision": "bf16-mixed", "scaler": {}, "guard": {"scale": -1}}
     with pytest.raises(ValueError, match="HINT"):
         plugin.check_checkpoint({"amp_plugin": entry})
+
+
+class _NoneAt(_Model):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_batch_that_returns_none_is_no_skip_of_the_next_one(precision: str) -> None:
+    scaler = LossScaler(init_scale=2.0**8, growth_interval=1000) if precision == "16-mixed" else None
+    plugin = AMPPrecision(precision, device="cpu", scaler=scaler)
+    _, monitor = _fit(_NoneAt("none", "sgd"), plugin)
+    assert plugin.guard is not None and plugin.guard.skipped_steps == 0
+    assert "5 steps, 0 skipped" in monitor.summary()
