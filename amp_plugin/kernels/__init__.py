@@ -87,11 +87,17 @@ def _device_type(device: object) -> str | None:
     got = f"device={device!r}"
     allowed = "None, a torch.device or a device string such as 'cuda', 'cuda:0' or 'cpu'"
     if not isinstance(device, (str, torch.device)):
-        fail("get_kernels", got, allowed, "pass the tensors' device, e.g. grads[0].device.", TypeError)
+        fail(
+            "get_kernels",
+            passed=got,
+            allowed=allowed,
+            hint="pass the tensors' device, e.g. grads[0].device.",
+            error=TypeError,
+        )
     try:
         return torch.device(device).type
     except RuntimeError:  # torch's message lists every device type it knows, and no fix
-        fail("get_kernels", got, allowed, _device_hint(device))
+        fail("get_kernels", passed=got, allowed=allowed, hint=_device_hint(device))
 
 
 @functools.cache
