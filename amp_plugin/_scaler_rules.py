@@ -118,18 +118,26 @@ def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: A
     """The state dict, with every key checked; raises ``ValueError`` naming the first bad entry."""
     what = "LossScaler.load_state_dict"
     if not isinstance(state_dict, dict) or not state_dict:
-        raise ValueError(
-            f"{what} got {type(state_dict).__qualname__} {state_dict!r:.80}; expected the non-empty dict "
-            "from LossScaler.state_dict() or torch.amp.GradScaler.state_dict(). HINT: an empty dict comes "
-            "from a disabled scaler (e.g. a bf16 run); do not load it into an fp16 scaler."
+        fail(
+            what,
+            passed=f"state_dict={type(state_dict).__qualname__} {state_dict!r:.80}",
+            allowed="the non-empty dict from LossScaler.state_dict() or torch.amp.GradScaler.state_dict()",
+            hint=(
+                "an empty dict comes from a disabled scaler (e.g. a bf16 run); do not load it into an "
+                "fp16 scaler."
+            ),
         )
     missing = [k for k in TORCH_KEYS if k not in state_dict]
     unknown = sorted(map(str, set(state_dict) - set(TORCH_KEYS) - set(OWN_KEYS)))
     if missing or unknown:
-        raise ValueError(
-            f"{what}: not a loss-scaler state (missing keys {missing}, unknown keys {unknown}); expected "
-            f"the keys {list(TORCH_KEYS)} and optionally {list(OWN_KEYS)}. HINT: pass the dict saved by "
-            "LossScaler.state_dict() or torch.amp.GradScaler.state_dict(), not another object's state."
+        fail(
+            what,
+            passed=f"state_dict=<not a loss-scaler state: missing keys {missing}, unknown keys {unknown}>",
+            allowed=f"the keys {list(TORCH_KEYS)} and optionally {list(OWN_KEYS)}",
+            hint=(
+                "pass the dict saved by LossScaler.state_dict() or torch.amp.GradScaler.state_dict(), "
+                "not another object's state."
+            ),
         )
     sd = {"hysteresis": hysteresis, "min_scale": min_scale, "max_scale": max_scale, **state_dict}
     check_config(sd["scale"], sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"],
@@ -168,7 +176,7 @@ def check_device(device: object) -> str | None:
 
 
 def check_kernels(kernels: object) -> Backend:
-    name = check_backend(kernels)
+    name = check_backend(kernels, _CALL, "kernels")
     if name == "apex" and not _imports.apex_available():
         allowed = f"'apex' only where NVIDIA Apex amp_C imports ({_imports.apex_error()})"
         fail(

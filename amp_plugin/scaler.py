@@ -275,9 +275,12 @@ class LossScaler:
             return cast(T, self._scale_tensor(outputs))
         if isinstance(outputs, (list, tuple)):
             return cast(T, type(outputs)(self.scale(o) for o in outputs))
-        raise TypeError(
-            f"scale() takes a tensor or a list/tuple of tensors, got {type(outputs).__qualname__}. "
-            "HINT: scale the loss tensor before calling backward()."
+        fail(
+            "LossScaler.scale",
+            passed=f"outputs={type(outputs).__qualname__}",
+            allowed="a tensor or a list/tuple of tensors",
+            hint="scale the loss tensor before calling backward().",
+            error=TypeError,
         )
 
     def _scale_tensor(self, loss: Tensor) -> Tensor:

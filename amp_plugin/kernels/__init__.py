@@ -25,8 +25,10 @@ Backend = Literal["auto", "torch", "apex"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "apex")
 
 
-def check_backend(backend: object) -> Backend:
+def check_backend(backend: object, call: str = "get_kernels", name: str = "backend") -> Backend:
     """Validate a backend name; raise ``ValueError`` naming the allowed values.
+
+    ``call`` and ``name`` say where the value was passed (``AMPPrecision(kernels=...)``).
 
     Example:
         >>> check_backend("apex")
@@ -34,12 +36,14 @@ def check_backend(backend: object) -> Backend:
         >>> check_backend("cuda")
         Traceback (most recent call last):
         ...
-        ValueError: kernels='cuda' is not a kernel backend; allowed: 'auto', 'torch', 'apex'. HINT: ...
+        ValueError: get_kernels(backend='cuda') is not allowed: one of 'auto', 'torch', 'apex'. HINT: ...
     """
     if backend not in BACKENDS:
-        raise ValueError(
-            f"kernels={backend!r} is not a kernel backend; allowed: {', '.join(map(repr, BACKENDS))}. "
-            "HINT: use 'auto' to take Apex amp_C on CUDA when it is installed and torch otherwise."
+        fail(
+            call,
+            passed=f"{name}={backend!r}",
+            allowed="one of " + ", ".join(map(repr, BACKENDS)),
+            hint="use 'auto' to take Apex amp_C on CUDA when it is installed and torch otherwise.",
         )
     return backend  # type: ignore[return-value]
 

@@ -51,7 +51,7 @@ def check_arguments(
         ...
         ValueError: AMPPrecision(precision='bf16-mixed') does not use a loss scaler, ... HINT: drop scaler=...
     """
-    check_precision(precision)
+    check_precision(precision, "AMPPrecision")
     if scaler is not None and not isinstance(scaler, (LossScaler, torch.amp.GradScaler)):
         fail(
             "AMPPrecision",
@@ -61,9 +61,14 @@ def check_arguments(
             error=TypeError,
         )
     if scaler is not None and precision in ("bf16-mixed", "bf16-true", "32-true"):
-        raise ValueError(
-            f"AMPPrecision(precision={precision!r}) does not use a loss scaler, but scaler= was passed. "
-            "HINT: drop scaler=, or use precision='16-mixed'."
+        fail(
+            "AMPPrecision",
+            passed=f"precision={precision!r}, scaler={type(scaler).__name__}",
+            allowed=(
+                f"scaler= only with '16-mixed' or '16-true' (precision={precision!r} does not use a loss "
+                "scaler)"
+            ),
+            hint="drop scaler=, or use precision='16-mixed'.",
         )
     if scaler is not None and not scaler.is_enabled():
         fail(
@@ -91,9 +96,14 @@ def check_arguments(
             hint="drop guard=False.",
         )
     if scaler is not None and precision == "auto":
-        raise ValueError(
-            "AMPPrecision(precision='auto', scaler=...) is ambiguous: 'auto' picks bf16 (no scaler) where it "
-            "can. HINT: pass precision='16-mixed' together with the scaler."
+        fail(
+            "AMPPrecision",
+            passed=f"precision='auto', scaler={type(scaler).__name__}",
+            allowed=(
+                "scaler= with an explicit fp16 precision ('auto' with a scaler is ambiguous: it picks "
+                "bf16, which uses no scaler, where it can)"
+            ),
+            hint="pass precision='16-mixed' together with the scaler.",
         )
     check_choice(
         "AMPPrecision", "clip_fused", clip_fused, ("auto", True, False), "use 'auto' (or a real bool)."
