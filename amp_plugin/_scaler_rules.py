@@ -66,14 +66,19 @@ def check_config(
     ]  # fmt: skip
     for ok, got, allowed, hint in rules:
         if not ok:
-            fail(call, got, allowed, hint)
+            fail(call, passed=got, allowed=allowed, hint=hint)
 
 
 def check_norm_type(call: str, norm_type: object) -> float:
     """A norm order ``> 0`` (``inf`` and the string ``"inf"`` included), as a float."""
     value = float("inf") if norm_type in ("inf", "Inf") else norm_type
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
-        fail(call, f"norm_type={norm_type!r}", "a number > 0 or inf", "2.0 is the Euclidean norm.")
+        fail(
+            call,
+            passed=f"norm_type={norm_type!r}",
+            allowed="a number > 0 or inf",
+            hint="2.0 is the Euclidean norm.",
+        )
     return float(value)
 
 
@@ -88,14 +93,24 @@ def check_manual_scale(
     if isinstance(new_scale, Tensor):
         check_tensor_scalar(call, "new_scale", new_scale, hint)
         if new_scale.device.type != device.type:
-            fail(call, f"new_scale on {new_scale.device}", f"a tensor on {device.type}", hint)
+            fail(
+                call,
+                passed=f"new_scale on {new_scale.device}",
+                allowed=f"a tensor on {device.type}",
+                hint=hint,
+            )
         value = float(new_scale.item())
     else:
         value = check_number(call, "new_scale", new_scale, low=0.0, low_open=True, hint=hint)
     low = SCALE_FLOOR if min_scale is None else min_scale
     high = math.inf if max_scale is None else max_scale
     if not (math.isfinite(value) and low <= value <= high):
-        fail(call, f"new_scale={value!r}", f"a finite scale within [{low:g}, {high:g}]", hint)
+        fail(
+            call,
+            passed=f"new_scale={value!r}",
+            allowed=f"a finite scale within [{low:g}, {high:g}]",
+            hint=hint,
+        )
     return new_scale if isinstance(new_scale, Tensor) else value
 
 
@@ -103,18 +118,26 @@ def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: A
     """The state dict, with every key checked; raises ``ValueError`` naming the first bad entry."""
     what = "LossScaler.load_state_dict"
     if not isinstance(state_dict, dict) or not state_dict:
-        raise ValueError(
-            f"{what} got {type(state_dict).__qualname__} {state_dict!r:.80}; expected the non-empty dict "
-            "from LossScaler.state_dict() or torch.amp.GradScaler.state_dict(). HINT: an empty dict comes "
-            "from a disabled scaler (e.g. a bf16 run); do not load it into an fp16 scaler."
+        fail(
+            what,
+            passed=f"state_dict={type(state_dict).__qualname__} {state_dict!r:.80}",
+            allowed="the non-empty dict from LossScaler.state_dict() or torch.amp.GradScaler.state_dict()",
+            hint=(
+                "an empty dict comes from a disabled scaler (e.g. a bf16 run); do not load it into an "
+                "fp16 scaler."
+            ),
         )
     missing = [k for k in TORCH_KEYS if k not in state_dict]
     unknown = sorted(map(str, set(state_dict) - set(TORCH_KEYS) - set(OWN_KEYS)))
     if missing or unknown:
-        raise ValueError(
-            f"{what}: not a loss-scaler state (missing keys {missing}, unknown keys {unknown}); expected "
-            f"the keys {list(TORCH_KEYS)} and optionally {list(OWN_KEYS)}. HINT: pass the dict saved by "
-            "LossScaler.state_dict() or torch.amp.GradScaler.state_dict(), not another object's state."
+        fail(
+            what,
+            passed=f"state_dict=<not a loss-scaler state: missing keys {missing}, unknown keys {unknown}>",
+            allowed=f"the keys {list(TORCH_KEYS)} and optionally {list(OWN_KEYS)}",
+            hint=(
+                "pass the dict saved by LossScaler.state_dict() or torch.amp.GradScaler.state_dict(), "
+                "not another object's state."
+            ),
         )
     sd = {"hysteresis": hysteresis, "min_scale": min_scale, "max_scale": max_scale, **state_dict}
     check_config(sd["scale"], sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"],
@@ -139,7 +162,12 @@ def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: A
 
 
 def _corrupt(what: str, got: str, allowed: str) -> None:
-    fail(what, got, allowed, "the state is corrupt; resume from another checkpoint or drop the scaler state.")
+    fail(
+        what,
+        passed=got,
+        allowed=allowed,
+        hint="the state is corrupt; resume from another checkpoint or drop the scaler state.",
+    )
 
 
 def check_device(device: object) -> str | None:
@@ -148,14 +176,14 @@ def check_device(device: object) -> str | None:
 
 
 def check_kernels(kernels: object) -> Backend:
-    name = check_backend(kernels)
+    name = check_backend(kernels, _CALL, "kernels")
     if name == "apex" and not _imports.apex_available():
         allowed = f"'apex' only where NVIDIA Apex amp_C imports ({_imports.apex_error()})"
         fail(
             "LossScaler",
-            "kernels='apex'",
-            allowed,
-            f"pass kernels='auto', or: {_imports.APEX_HINT}",
-            RuntimeError,
+            passed="kernels='apex'",
+            allowed=allowed,
+            hint=f"pass kernels='auto', or: {_imports.APEX_HINT}",
+            error=RuntimeError,
         )
     return name

@@ -32,18 +32,20 @@ __all__ = [
 ]
 
 
-def fail(call: str, got: str, allowed: str, hint: str, error: type[Exception] = ValueError) -> NoReturn:
-    """Raise ``error`` with the project's message: ``{call}({got}) is not allowed: {allowed}. HINT: {hint}``.
+def fail(call: str, *, passed: str, allowed: str, hint: str, error: type[Exception] = ValueError) -> NoReturn:
+    """Raise ``error`` with the project's one message format.
 
-    ``got`` is the argument as passed (``"name=value"``); ``call`` names the entry point.
+    The message reads ``{call}({passed}) is not allowed: {allowed}. HINT: {hint}``. ``call`` names
+    the entry point; ``passed`` is the argument as passed (``"name=value"``). Everything but
+    ``call`` is a keyword, so a call site reads as the message does.
 
     Example:
-        >>> fail("LossScaler", "growth_factor=1.0", "a finite number > 1", "use 2.0.")
+        >>> fail("LossScaler", passed="growth_factor=1.0", allowed="a finite number > 1", hint="use 2.0.")
         Traceback (most recent call last):
         ...
         ValueError: LossScaler(growth_factor=1.0) is not allowed: a finite number > 1. HINT: use 2.0.
     """
-    raise error(f"{call}({got}) is not allowed: {allowed}. HINT: {hint}")
+    raise error(f"{call}({passed}) is not allowed: {allowed}. HINT: {hint}")
 
 
 def is_number(value: object) -> bool:
@@ -65,11 +67,15 @@ def check_bool(call: str, name: str, value: object) -> bool:
     """
     if not isinstance(value, bool):
         fail(
-            call, f"{name}={value!r}", "a bool (True or False)",
-            f"pass {name}=True or {name}=False, not the {type(value).__name__} {value!r} "
-            "(any non-empty string is truthy).",
-            TypeError,
-        )  # fmt: skip
+            call,
+            passed=f"{name}={value!r}",
+            allowed="a bool (True or False)",
+            hint=(
+                f"pass {name}=True or {name}=False, not the {type(value).__name__} {value!r} "
+                "(any non-empty string is truthy)."
+            ),
+            error=TypeError,
+        )
     return value
 
 
@@ -98,7 +104,7 @@ def check_number(
     allowed = ("a finite number " + " and ".join(b for b in (lo, hi) if b)).strip()
     hint = hint or f"pass a plain Python float for {name}."
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        fail(call, f"{name}={value!r}", allowed, hint, TypeError)
+        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint, error=TypeError)
     number = float(value)
     out_of_range = (
         not math.isfinite(number)
@@ -106,7 +112,7 @@ def check_number(
         or (high is not None and (number >= high if high_open else number > high))
     )
     if out_of_range:
-        fail(call, f"{name}={value!r}", allowed, hint)
+        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint)
     return number
 
 
@@ -120,9 +126,9 @@ def check_int(call: str, name: str, value: object, *, low: int | None = None, hi
     allowed = "an int" + ("" if low is None else f" >= {low}")
     hint = hint or f"pass a plain Python int for {name}."
     if not isinstance(value, int) or isinstance(value, bool):
-        fail(call, f"{name}={value!r}", allowed, hint, TypeError)
+        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint, error=TypeError)
     if low is not None and value < low:
-        fail(call, f"{name}={value!r}", allowed, hint)
+        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint)
     return value
 
 
@@ -136,7 +142,7 @@ def check_choice(call: str, name: str, value: object, choices: Iterable[object],
     options = tuple(choices)
     if not any(type(value) is type(c) and value == c for c in options):
         allowed = "one of " + ", ".join(map(repr, options))
-        fail(call, f"{name}={value!r}", allowed, hint or f"pass {name}={options[0]!r}.")
+        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint or f"pass {name}={options[0]!r}.")
     return value
 
 
@@ -175,14 +181,20 @@ def check_device_type(call: str, name: str, value: object) -> str:
             if index
             else "pass a device type such as 'cuda'."
         )
-        fail(call, got, f"a str or torch.device whose type has autocast: {types}", hint, TypeError)
+        fail(
+            call,
+            passed=got,
+            allowed=f"a str or torch.device whose type has autocast: {types}",
+            hint=hint,
+            error=TypeError,
+        )
     try:
         device_type = torch.device(value).type
     except RuntimeError:  # torch's message lists every device type it knows, autocast or not
-        fail(call, got, f"a device type with autocast: {types}", _device_hint(value))
+        fail(call, passed=got, allowed=f"a device type with autocast: {types}", hint=_device_hint(value))
     if not torch.amp.is_autocast_available(device_type):
         allowed = f"autocast is not available for device type {device_type!r}; those with it: {types}"
-        fail(call, got, allowed, _device_hint(value))
+        fail(call, passed=got, allowed=allowed, hint=_device_hint(value))
     return device_type
 
 
@@ -213,5 +225,10 @@ def check_tensor_scalar(call: str, name: str, value: object, hint: str = "") -> 
     if not ok:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
         got = f"{name}={type(value).__name__}" + ("" if shape is None else f" of shape {shape}")
-        fail(call, got, "a one-element floating-point tensor without requires_grad", hint or "pass a float.")
+        fail(
+            call,
+            passed=got,
+            allowed="a one-element floating-point tensor without requires_grad",
+            hint=hint or "pass a float.",
+        )
     return value  # type: ignore[return-value]

@@ -67,35 +67,67 @@ def _check(accelerator: Any, scaler: LossScaler | None) -> Any:
     """Validate everything; return the accelerator's current scaler."""
     accelerate = _import_accelerate()
     if not isinstance(accelerator, accelerate.Accelerator):
-        fail(_CALL, f"accelerator={type(accelerator).__qualname__}", "an accelerate.Accelerator",
-             "pass the Accelerator your training loop uses.", TypeError)  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"accelerator={type(accelerator).__qualname__}",
+            allowed="an accelerate.Accelerator",
+            hint="pass the Accelerator your training loop uses.",
+            error=TypeError,
+        )
     precision = str(accelerator.mixed_precision)
     if precision != "fp16":
         hint = ("bf16 needs no loss scaler (it has fp32's range); drop this call." if precision == "bf16"
                 else 'create it as Accelerator(mixed_precision="fp16").')  # fmt: skip
-        fail(_CALL, f"an Accelerator with mixed_precision={precision!r}", "fp16 mixed precision", hint)
+        fail(
+            _CALL,
+            passed=f"an Accelerator with mixed_precision={precision!r}",
+            allowed="fp16 mixed precision",
+            hint=hint,
+        )
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
     if kind not in _SUPPORTED:
-        fail(_CALL, f"an Accelerator with distributed_type={kind}", "one process or DDP (NO, MULTI_CPU, "
-             "MULTI_GPU)", "keep Accelerate's own scaler there (DeepSpeed/Megatron-LM scale the loss "
-             "themselves; FSDP and XLA shard it).")  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"an Accelerator with distributed_type={kind}",
+            allowed=("one process or DDP (NO, MULTI_CPU, MULTI_GPU)"),
+            hint=(
+                "keep Accelerate's own scaler there (DeepSpeed/Megatron-LM scale the loss "
+                "themselves; FSDP and XLA shard it)."
+            ),
+        )
     if scaler is not None and not isinstance(scaler, LossScaler):
-        fail(_CALL, f"scaler={type(scaler).__qualname__}", "a LossScaler or None",
-             "pass amp_plugin.LossScaler(...), or None to convert Accelerate's GradScaler.",
-             TypeError)  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"scaler={type(scaler).__qualname__}",
+            allowed="a LossScaler or None",
+            hint="pass amp_plugin.LossScaler(...), or None to convert Accelerate's GradScaler.",
+            error=TypeError,
+        )
     if scaler is not None and not scaler.is_enabled():
-        fail(_CALL, "a disabled LossScaler", "an enabled one (fp16 gradients need scaling)",
-             "build it with enabled=True (and device=None or the accelerator's device type).")  # fmt: skip
+        fail(
+            _CALL,
+            passed="a disabled LossScaler",
+            allowed="an enabled one (fp16 gradients need scaling)",
+            hint="build it with enabled=True (and device=None or the accelerator's device type).",
+        )
     # Accelerate keeps what prepare() wrapped in these lists; a prepared optimizer holds the old scaler.
     if getattr(accelerator, "_optimizers", None) or getattr(accelerator, "_models", None):
-        fail(_CALL, "an Accelerator after Accelerator.prepare", "one whose models and optimizers are "
-             "not prepared yet", "call use_loss_scaler(accelerator) right after Accelerator(...), before "
-             "prepare().", RuntimeError)  # fmt: skip
+        fail(
+            _CALL,
+            passed="an Accelerator after Accelerator.prepare",
+            allowed=("one whose models and optimizers are not prepared yet"),
+            hint=("call use_loss_scaler(accelerator) right after Accelerator(...), before prepare()."),
+            error=RuntimeError,
+        )
     current = accelerator.scaler
     if current is not None and not isinstance(current, (LossScaler, torch.amp.GradScaler)):
-        fail(_CALL, f"an Accelerator whose scaler is {type(current).__qualname__}",
-             "one with a torch.amp.GradScaler, a LossScaler or none", "keep Accelerate's own scaler.",
-             TypeError)  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"an Accelerator whose scaler is {type(current).__qualname__}",
+            allowed="one with a torch.amp.GradScaler, a LossScaler or none",
+            hint="keep Accelerate's own scaler.",
+            error=TypeError,
+        )
     return current
 
 

@@ -182,7 +182,7 @@ def propagate_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     if not callable(given):
         got = f"fn={given!r}" if given is None or isinstance(given, str) else f"fn={type(given).__name__}"
         hint = "pass the function itself, e.g. propagate_autocast(step)."
-        fail("propagate_autocast", got, "a callable", hint, TypeError)
+        fail("propagate_autocast", passed=got, allowed="a callable", hint=hint, error=TypeError)
     state = autocast_state()
 
     @functools.wraps(fn)
@@ -209,7 +209,11 @@ class AutocastDataParallel(nn.DataParallel):  # type: ignore[type-arg]
         if not isinstance(given, nn.Module):
             hint = "pass the model instance (a class must be instantiated first)."
             fail(
-                "AutocastDataParallel", f"module={given!r:.80}", "a torch.nn.Module instance", hint, TypeError
+                "AutocastDataParallel",
+                passed=f"module={given!r:.80}",
+                allowed="a torch.nn.Module instance",
+                hint=hint,
+                error=TypeError,
             )
         super().__init__(module, *args, **kwargs)
 
@@ -232,8 +236,13 @@ def find_data_parallel(module: nn.Module) -> list[str]:
         ['0']
     """
     if not isinstance(module, nn.Module):
-        fail("find_data_parallel", f"module={type(module).__name__}", "a torch.nn.Module",
-             "pass the model itself.", TypeError)  # fmt: skip
+        fail(
+            "find_data_parallel",
+            passed=f"module={type(module).__name__}",
+            allowed="a torch.nn.Module",
+            hint="pass the model itself.",
+            error=TypeError,
+        )
     return [
         name
         for name, sub in module.named_modules()

@@ -53,7 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is not None and not (isinstance(argv, (list, tuple)) and all(isinstance(a, str) for a in argv)):
         # A plain string would be split into one argument per character, a baffling usage error.
         example = f"main({argv.split()!r})" if isinstance(argv, str) else "main(['doctor', '--json'])"
-        fail("main", f"argv={argv!r:.80}", "None or a list of strings", f"{example}.", TypeError)
+        fail(
+            "main",
+            passed=f"argv={argv!r:.80}",
+            allowed="None or a list of strings",
+            hint=f"{example}.",
+            error=TypeError,
+        )
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -160,7 +166,13 @@ def load_model(spec: str) -> nn.Module:
         Identity()
     """
     if not isinstance(spec, str):
-        fail("load_model", f"spec={spec!r:.80}", "a 'package.module:factory' str", _SPEC_FIX, TypeError)
+        fail(
+            "load_model",
+            passed=f"spec={spec!r:.80}",
+            allowed="a 'package.module:factory' str",
+            hint=_SPEC_FIX,
+            error=TypeError,
+        )
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr or ":" in attr:
         raise ValueError(

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from amp_plugin._validation import check_int
+from amp_plugin._validation import check_int, fail
 from amp_plugin.distributed import _all_gather, _check_group, _world_size
 
 if TYPE_CHECKING:
@@ -145,23 +145,31 @@ class ConsistencyCheck:
 
 def _validated_check_args(scaler: Any, parameters: Any) -> tuple[dict[str, Any] | None, list[Tensor] | None]:
     if scaler is None and parameters is None:
-        raise ValueError(
-            "check_consistency(scaler=None, parameters=None) has nothing to compare; expected a "
-            "LossScaler, parameters, or both. HINT: pass the scaler and the (replicated) model."
+        fail(
+            "check_consistency",
+            passed="scaler=None, parameters=None",
+            allowed="a LossScaler, parameters, or both (with neither there is nothing to compare)",
+            hint="pass the scaler and the (replicated) model.",
         )
     if scaler is not None and not callable(getattr(scaler, "state_dict", None)):
-        raise TypeError(
-            f"check_consistency expected a LossScaler (or None) as scaler, got {type(scaler).__qualname__}. "
-            "HINT: pass the scaler that steps this rank's optimizer."
+        fail(
+            "check_consistency",
+            passed=f"scaler={type(scaler).__qualname__}",
+            allowed="a LossScaler or None",
+            hint="pass the scaler that steps this rank's optimizer.",
+            error=TypeError,
         )
     params = None
     if parameters is not None:
         items = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         wrong = [type(p).__qualname__ for p in items if not isinstance(p, Tensor)]
         if wrong:
-            raise TypeError(
-                f"check_consistency expected a module or an iterable of tensors as parameters, got "
-                f"items of type {sorted(set(wrong))}. HINT: pass model or model.parameters()."
+            fail(
+                "check_consistency",
+                passed=f"parameters=<items of type {sorted(set(wrong))}>",
+                allowed="a module or an iterable of tensors",
+                hint="pass model or model.parameters().",
+                error=TypeError,
             )
         params = items
     return (None if scaler is None else dict(scaler.state_dict())), params

@@ -68,21 +68,35 @@ def _check_group(group: object, call: str, name: str = "group") -> Any:
     process_group = getattr(dist, "ProcessGroup", None)  # absent from torch builds without distributed
     if group is not None and (process_group is None or not isinstance(group, process_group)):
         shown = repr(group) if isinstance(group, (str, int, float, list, tuple)) else type(group).__name__
-        fail(call, f"{name}={shown:.80}", "None or a torch.distributed.ProcessGroup",
-             "pass None for the default (world) group, or a group from torch.distributed.new_group(ranks).",
-             TypeError)  # fmt: skip
+        fail(
+            call,
+            passed=f"{name}={shown:.80}",
+            allowed="None or a torch.distributed.ProcessGroup",
+            hint=(
+                "pass None for the default (world) group, or a group from torch.distributed.new_group(ranks)."
+            ),
+            error=TypeError,
+        )
     return group
 
 
 def _check_flag(call: str, name: str, value: object) -> None:
     """A one-element floating-point tensor (an inf flag or a norm); NaN and inf values are fine."""
     if not isinstance(value, Tensor):
-        fail(call, f"{name}={type(value).__name__}", "a one-element floating-point tensor",
-             "pass the tensor itself, not a Python number.", TypeError)  # fmt: skip
+        fail(
+            call,
+            passed=f"{name}={type(value).__name__}",
+            allowed="a one-element floating-point tensor",
+            hint="pass the tensor itself, not a Python number.",
+            error=TypeError,
+        )
     if value.numel() != 1 or not value.is_floating_point():
         got = f"{name}=tensor of shape {tuple(value.shape)} and {value.dtype}"
         fail(
-            call, got, "a one-element floating-point tensor", "pass the 0-dim fp32 tensor the kernels return."
+            call,
+            passed=got,
+            allowed="a one-element floating-point tensor",
+            hint="pass the 0-dim fp32 tensor the kernels return.",
         )
 
 
@@ -160,9 +174,13 @@ def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -
     """
     _check_flag("global_norm", "local_norm", local_norm)
     if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or math.isnan(norm_type):
-        fail("global_norm", f"norm_type={norm_type!r}", "a number, inf or -inf included",
-             "pass the norm_type given to clip_grad_norm_, e.g. 2.0.",
-             ValueError if isinstance(norm_type, float) else TypeError)  # fmt: skip
+        fail(
+            "global_norm",
+            passed=f"norm_type={norm_type!r}",
+            allowed="a number, inf or -inf included",
+            hint="pass the norm_type given to clip_grad_norm_, e.g. 2.0.",
+            error=ValueError if isinstance(norm_type, float) else TypeError,
+        )
     _check_group(group, "global_norm")
     if _world_size(group) == 1:
         return local_norm.detach().float().clone()
@@ -202,7 +220,13 @@ class GlobalNormKernels:
                 "a kernel backend (unscale_, norm and mul_)",
                 "pass amp_plugin.get_kernels('auto').",
             )
-            fail("GlobalNormKernels", f"kernels={kernels!r:.80}", allowed, hint, TypeError)
+            fail(
+                "GlobalNormKernels",
+                passed=f"kernels={kernels!r:.80}",
+                allowed=allowed,
+                hint=hint,
+                error=TypeError,
+            )
         self.inner = kernels
         self.group = _check_group(group, "GlobalNormKernels")
         self.name = f"{kernels.name}+global-norm"

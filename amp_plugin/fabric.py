@@ -70,7 +70,7 @@ class AMPPrecision(MixedPrecision):
         allowed = ("16-mixed", "bf16-mixed", "auto")
         hint = "the '-true' precisions are the Trainer plugin's: use Fabric(precision='bf16-true')."
         check_choice("AMPPrecision (Fabric)", "precision", precision, allowed, hint)
-        self.kernels = check_backend(kernels)
+        self.kernels = check_backend(kernels, "AMPPrecision (Fabric)", "kernels")
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
         fallback = "cuda" if torch.cuda.is_available() else "cpu"
         device_type, dtype, name = checks.resolve_settings(precision, fallback if device is None else device)

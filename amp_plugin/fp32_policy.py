@@ -110,7 +110,13 @@ def check_module_classes(
         hint = f"wrap the class in a tuple: ({classes.__name__},)."
     else:
         hint = "pass a tuple (or list), e.g. (torch.nn.LayerNorm,)."
-    fail(call, f"{name}={classes!r}", "a tuple of torch.nn.Module subclasses", hint, TypeError)
+    fail(
+        call,
+        passed=f"{name}={classes!r}",
+        allowed="a tuple of torch.nn.Module subclasses",
+        hint=hint,
+        error=TypeError,
+    )
 
 
 def _class_hint(item: object) -> str:
@@ -141,7 +147,13 @@ def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modu
         >>> hooks.remove()
     """
     if not isinstance(model, nn.Module):
-        fail("force_fp32", f"model={model!r:.80}", "a torch.nn.Module", "pass the model.", TypeError)
+        fail(
+            "force_fp32",
+            passed=f"model={model!r:.80}",
+            allowed="a torch.nn.Module",
+            hint="pass the model.",
+            error=TypeError,
+        )
     return Fp32Modules(model, check_module_classes(classes, "force_fp32"))
 
 
@@ -167,14 +179,23 @@ def check_functions(
     if callable(functions) and not isinstance(functions, type):
         functions = (functions,)
     if not isinstance(functions, (tuple, list)):
-        hint = "pass the function itself, e.g. torch.sigmoid." if isinstance(functions, str) else (
-            "pass a tuple (or list) of functions, e.g. (torch.sigmoid, torch.Tensor.softmax).")
-        fail(call, f"{name}={functions!r:.80}", "a torch function or a tuple of them", hint, TypeError)
+        hint = (
+            "pass the function itself, e.g. torch.sigmoid."
+            if isinstance(functions, str)
+            else "pass a tuple (or list) of functions, e.g. (torch.sigmoid, torch.Tensor.softmax)."
+        )
+        fail(
+            call,
+            passed=f"{name}={functions!r:.80}",
+            allowed="a torch function or a tuple of them",
+            hint=hint,
+            error=TypeError,
+        )
     for item in functions:
         hint = _function_hint(item)
         if hint:
             allowed = "functions torch dispatches (torch.*, Tensor methods, F.*)"
-            fail(call, f"{name}={functions!r:.120}", allowed, hint, TypeError)
+            fail(call, passed=f"{name}={functions!r:.120}", allowed=allowed, hint=hint, error=TypeError)
     return tuple(dict.fromkeys(functions))
 
 

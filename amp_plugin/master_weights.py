@@ -91,8 +91,13 @@ def check_half_dtype(call: str, dtype: object) -> torch.dtype:
         torch.bfloat16
     """
     if dtype not in _HALF:
-        fail(call, f"dtype={dtype!r}", "torch.float16 or torch.bfloat16",
-             "pass torch.float16 (with a loss scaler) or torch.bfloat16.", TypeError)  # fmt: skip
+        fail(
+            call,
+            passed=f"dtype={dtype!r}",
+            allowed="torch.float16 or torch.bfloat16",
+            hint="pass torch.float16 (with a loss scaler) or torch.bfloat16.",
+            error=TypeError,
+        )
     return dtype  # type: ignore[return-value,unused-ignore]
 
 
@@ -298,9 +303,12 @@ class MasterWeights:
             if value is None:
                 continue
             if not isinstance(value, Tensor) or value.shape != master.shape:
-                fail("MasterWeights.load_state_dict", f"{prefix}{names[0]}={_describe(value)}",
-                     f"a tensor of shape {tuple(master.shape)}",
-                     "load a checkpoint of this model.")  # fmt: skip
+                fail(
+                    "MasterWeights.load_state_dict",
+                    passed=f"{prefix}{names[0]}={_describe(value)}",
+                    allowed=f"a tensor of shape {tuple(master.shape)}",
+                    hint="load a checkpoint of this model.",
+                )
             updates.append((master, value))
         return updates
 
@@ -399,7 +407,13 @@ def cast_model(
         torch.float32
     """
     if not isinstance(module, nn.Module):
-        fail("cast_model", f"module={module!r:.80}", "a torch.nn.Module", "pass the model.", TypeError)
+        fail(
+            "cast_model",
+            passed=f"module={module!r:.80}",
+            allowed="a torch.nn.Module",
+            hint="pass the model.",
+            error=TypeError,
+        )
     dtype = check_half_dtype("cast_model", dtype)
     keep = check_module_classes(keep_fp32, "cast_model", "keep_fp32")
     kept = _kept(module, keep)

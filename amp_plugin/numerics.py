@@ -269,18 +269,18 @@ def fixed_point(
         )
         fail(
             call,
-            f"il={il}, fl={fl}",
-            f"IL + FL <= {word} for a {x.dtype} x (so every value is exact)",
-            alt + ".",
+            passed=f"il={il}, fl={fl}",
+            allowed=f"IL + FL <= {word} for a {x.dtype} x (so every value is exact)",
+            hint=alt + ".",
         )
     _check_generator(call, generator, x)
     if generator is not None and rounding == "nearest":
         got = f"generator={generator!r}, rounding='nearest'"
         fail(
             call,
-            got,
-            "a generator with rounding='stochastic' only",
-            "drop the generator or pass rounding='stochastic'.",
+            passed=got,
+            allowed="a generator with rounding='stochastic' only",
+            hint="drop the generator or pass rounding='stochastic'.",
         )
     eps = 2.0**-fl
     top = 2.0 ** (il - 1)
@@ -301,12 +301,18 @@ def _check_float_tensor(call: str, x: object, dtypes: tuple[torch.dtype, ...]) -
     names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
     if not isinstance(x, Tensor):
         hint = f"pass a tensor, e.g. torch.tensor(x, dtype=torch.{names.split(' ')[0]})."
-        fail(call, f"x={type(x).__name__}", f"a {names} tensor", hint, TypeError)
+        fail(call, passed=f"x={type(x).__name__}", allowed=f"a {names} tensor", hint=hint, error=TypeError)
     if x.dtype not in dtypes:
         hint = "convert it first with x.float()"
         if x.dtype in (torch.float16, torch.bfloat16) and call == "stochastic_round":
             hint = f"x is already {x.dtype}; round from the float32 values it came from, or x.float()"
-        fail(call, f"x=tensor of dtype {x.dtype}", f"a {names} tensor", hint + ".", TypeError)
+        fail(
+            call,
+            passed=f"x=tensor of dtype {x.dtype}",
+            allowed=f"a {names} tensor",
+            hint=hint + ".",
+            error=TypeError,
+        )
 
 
 def _check_generator(call: str, generator: object, x: Tensor) -> None:
@@ -314,11 +320,20 @@ def _check_generator(call: str, generator: object, x: Tensor) -> None:
         return
     if not isinstance(generator, torch.Generator):
         hint = "pass torch.Generator(device=x.device).manual_seed(seed), or None for torch's default."
-        fail(call, f"generator={generator!r}", "a torch.Generator or None", hint, TypeError)
+        fail(
+            call,
+            passed=f"generator={generator!r}",
+            allowed="a torch.Generator or None",
+            hint=hint,
+            error=TypeError,
+        )
     where, device = generator.device, x.device
     same = where.type == device.type and (where.index is None or device.index in (None, where.index))
     if not same:
         got = f"generator on {where}, x on {device}"
         fail(
-            call, got, "a generator on x's device", f"create it with torch.Generator(device={str(device)!r})."
+            call,
+            passed=got,
+            allowed="a generator on x's device",
+            hint=f"create it with torch.Generator(device={str(device)!r}).",
         )

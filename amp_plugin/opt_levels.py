@@ -71,14 +71,23 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
         hint = (
             f"use {level.upper()!r}" if isinstance(level, str) and level.upper() in OPT_LEVELS else "use 'O1'"
         )
-        fail(_CALL, f"level={level!r}", "one of " + ", ".join(map(repr, OPT_LEVELS)),
-             f"{hint} (the letter O, not zero).")  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"level={level!r}",
+            allowed="one of " + ", ".join(map(repr, OPT_LEVELS)),
+            hint=f"{hint} (the letter O, not zero).",
+        )
     cast, keep_bn, masters, loss_scale = _TABLE[str(level)]
     apex = {k: overrides.pop(k) for k in APEX_OPTIONS if k in overrides}
     cast = apex.get("cast_model_type", cast)
     if cast not in (None, torch.float16, torch.bfloat16, torch.float32):
-        fail(_CALL, f"cast_model_type={cast!r}", "None, torch.float16, torch.bfloat16 or torch.float32",
-             "pass a torch dtype, e.g. torch.float16.", TypeError)  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"cast_model_type={cast!r}",
+            allowed="None, torch.float16, torch.bfloat16 or torch.float32",
+            hint="pass a torch dtype, e.g. torch.float16.",
+            error=TypeError,
+        )
     masters = check_bool(_CALL, "master_weights", apex.get("master_weights", masters))
     keep = apex.get("keep_batchnorm_fp32", keep_bn)
     if keep is not None:
@@ -93,8 +102,14 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
     else:
         args = {"precision": f"{prefix}-true"}
     if masters and cast in (None, torch.float32):
-        fail(_CALL, f"level={level!r}, master_weights=True", "master weights with a model cast to half "
-             "(O2, or cast_model_type=torch.float16/bfloat16)", "use level 'O2'.")  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"level={level!r}, master_weights=True",
+            allowed=(
+                "master weights with a model cast to half (O2, or cast_model_type=torch.float16/bfloat16)"
+            ),
+            hint="use level 'O2'.",
+        )
     if keep is not None and cast not in (None, torch.float32):
         args["keep_fp32"] = NORM_LAYERS if keep else ()
     args.update(_scaler_arguments(args["precision"], apex, loss_scale))
@@ -102,8 +117,12 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
         del args["master_weights"]
     clash = sorted(set(args) & set(overrides))
     if clash:
-        fail(_CALL, f"{clash[0]}=...", f"no {clash[0]!r} next to an opt level (the level sets it)",
-             f"use Apex's keywords ({', '.join(APEX_OPTIONS)}) or AMPPrecision(...) directly.")  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"{clash[0]}=...",
+            allowed=f"no {clash[0]!r} next to an opt level (the level sets it)",
+            hint=f"use Apex's keywords ({', '.join(APEX_OPTIONS)}) or AMPPrecision(...) directly.",
+        )
     return {**args, **overrides}
 
 
@@ -113,19 +132,31 @@ def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str
     fp16 = precision in ("16-mixed", "16-true")
     if not fp16:
         if "loss_scale" in apex or bounds:
-            fail(_CALL, f"loss_scale={apex.get('loss_scale')!r}", "no loss scaling with bf16 or fp32",
-                 "drop loss_scale, min_loss_scale and max_loss_scale.")  # fmt: skip
+            fail(
+                _CALL,
+                passed=f"loss_scale={apex.get('loss_scale')!r}",
+                allowed="no loss scaling with bf16 or fp32",
+                hint="drop loss_scale, min_loss_scale and max_loss_scale.",
+            )
         return {}
     if loss_scale != "dynamic" and not (is_number(loss_scale) and loss_scale > 0):
-        fail(_CALL, f"loss_scale={loss_scale!r}", "'dynamic' or a finite number > 0",
-             "use loss_scale='dynamic'.")  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"loss_scale={loss_scale!r}",
+            allowed="'dynamic' or a finite number > 0",
+            hint="use loss_scale='dynamic'.",
+        )
     if loss_scale == "dynamic":
         scaler = LossScaler(
             min_scale=bounds.get("min_loss_scale"), max_scale=bounds.get("max_loss_scale", 2.0**24)
         )
     else:
         if bounds:
-            fail(_CALL, "min_loss_scale/max_loss_scale with a static loss_scale", "bounds only with "
-                 "loss_scale='dynamic'", "drop the bounds, or use loss_scale='dynamic'.")  # fmt: skip
+            fail(
+                _CALL,
+                passed="min_loss_scale/max_loss_scale with a static loss_scale",
+                allowed=("bounds only with loss_scale='dynamic'"),
+                hint="drop the bounds, or use loss_scale='dynamic'.",
+            )
         scaler = LossScaler(init_scale=float(loss_scale), dynamic=False)
     return {"scaler": scaler}

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 
 import torch
 
-from amp_plugin._validation import check_device_type
+from amp_plugin._validation import check_device_type, fail
 
 __all__ = [
     "PRECISIONS",
@@ -120,8 +120,10 @@ def auto_precision_reason(device_type: str | torch.device) -> str:
     return _auto_choice(check_device_type("auto_precision_reason", "device_type", device_type))[1]
 
 
-def check_precision(precision: object) -> Precision:
+def check_precision(precision: object, call: str = "check_precision") -> Precision:
     """Validate a precision string; raise ``ValueError`` with the allowed values and a hint.
+
+    ``call`` names the entry point in the message (``"AMPPrecision"``, ``"resolve_precision"``).
 
     Raises:
         ValueError: ``precision`` is not one of :data:`PRECISIONS`; the hint names the string
@@ -133,11 +135,12 @@ def check_precision(precision: object) -> Precision:
         >>> check_precision("fp16")
         Traceback (most recent call last):
         ...
-        ValueError: Unknown precision 'fp16'; allowed: 16-mixed, ... HINT: use '16-mixed' ...
+        ValueError: check_precision(precision='fp16') is not allowed: one of '16-mixed', ... HINT: ...
     """
     if not isinstance(precision, str) or precision not in PRECISIONS:
         hint = _HINTS.get(str(precision).strip().lower(), "pick one of the allowed strings")
-        raise ValueError(f"Unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}. HINT: {hint}.")
+        allowed = "one of " + ", ".join(map(repr, PRECISIONS))
+        fail(call, passed=f"precision={precision!r}", allowed=allowed, hint=f"{hint}.")
     return precision  # type: ignore[return-value]
 
 
@@ -160,25 +163,36 @@ def resolve_precision(precision: str, device_type: str | torch.device) -> torch.
         >>> resolve_precision("auto", "cpu")
         torch.bfloat16
     """
-    check_precision(precision)
+    check_precision(precision, "resolve_precision")
     device_type = check_device_type("resolve_precision", "device_type", device_type)
+    passed = f"precision={precision!r}, device_type={device_type!r}"
     dtype = _auto_choice(device_type)[0] if precision == "auto" else _DTYPES[precision]
     if dtype == torch.float32:
         return dtype  # autocast stays off: nothing to check on the device
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"precision={precision!r} on device type 'cuda', but CUDA is not available. "
-            "HINT: run on a machine with a CUDA GPU and a CUDA build of torch, or use device type 'cpu'."
+        fail(
+            "resolve_precision",
+            passed=passed,
+            allowed="device type 'cuda' only where CUDA is available, but CUDA is not available",
+            hint="run on a machine with a CUDA GPU and a CUDA build of torch, or use device type 'cpu'.",
         )
     if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ValueError(
-            f"precision={precision!r}, but this CUDA device has no bf16 support. HINT: use '16-mixed'."
+        fail(
+            "resolve_precision",
+            passed=passed,
+            allowed="bf16 only on a CUDA device with bf16, but this CUDA device has no bf16 support",
+            hint="use '16-mixed'.",
         )
     supported = _supported_dtypes(device_type)
     if dtype not in supported:
         other = "'bf16-mixed'" if torch.bfloat16 in supported else "another device type"
-        raise ValueError(
-            f"precision={precision!r} needs {dtype} autocast, but {device_type!r} autocast supports "
-            f"only {supported}. HINT: use {other}."
+        fail(
+            "resolve_precision",
+            passed=passed,
+            allowed=(
+                f"a precision whose dtype the device's autocast has: this one needs {dtype} autocast, but "
+                f"{device_type!r} autocast supports only {supported}"
+            ),
+            hint=f"use {other}.",
         )
     return dtype

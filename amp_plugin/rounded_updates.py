@@ -67,15 +67,25 @@ class RoundedUpdates:
     def __init__(self, optimizer: Any, rounding: Rounding = "stochastic", seed: int = 0) -> None:
         opt = unwrap_optimizer(optimizer)
         if not isinstance(opt, Optimizer):
-            fail("RoundedUpdates", f"optimizer={optimizer!r:.80}", "a torch.optim.Optimizer",
-                 "pass the optimizer built on the half-precision parameters.", TypeError)  # fmt: skip
+            fail(
+                "RoundedUpdates",
+                passed=f"optimizer={optimizer!r:.80}",
+                allowed="a torch.optim.Optimizer",
+                hint="pass the optimizer built on the half-precision parameters.",
+                error=TypeError,
+            )
         self.rounding: Rounding = check_choice("RoundedUpdates", "rounding", rounding, ROUNDINGS)
         self.seed = check_int("RoundedUpdates", "seed", seed, low=0)
         if self.rounding != "nearest" and any(g.get("fused") for g in opt.param_groups):
-            fail("RoundedUpdates", f"rounding={rounding!r} with {type(opt).__name__}(fused=True)",
-                 "an optimizer that is not fused (a fused step needs one dtype for parameters, "
-                 "gradients and state)", f"build {type(opt).__name__}(..., foreach=True) instead, or "
-                 "use rounding='nearest'.")  # fmt: skip
+            fail(
+                "RoundedUpdates",
+                passed=f"rounding={rounding!r} with {type(opt).__name__}(fused=True)",
+                allowed=(
+                    "an optimizer that is not fused (a fused step needs one dtype for parameters, "
+                    "gradients and state)"
+                ),
+                hint=(f"build {type(opt).__name__}(..., foreach=True) instead, or use rounding='nearest'."),
+            )
         self.optimizer = opt
         self._generators: dict[torch.device, torch.Generator] = {}
         # (parameter, its half storage, its half gradient, the state keys it had before the step)
@@ -162,7 +172,11 @@ class RoundedUpdates:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s generator states (checked before anything changes)."""
         if not self.is_state(state):
-            fail("RoundedUpdates.load_state_dict", f"state={state!r:.80}",
-                 "a dict from RoundedUpdates.state_dict()", "load the state this class saved.")  # fmt: skip
+            fail(
+                "RoundedUpdates.load_state_dict",
+                passed=f"state={state!r:.80}",
+                allowed="a dict from RoundedUpdates.state_dict()",
+                hint="load the state this class saved.",
+            )
         for device, gen_state in state["generators"].items():
             self._generator(torch.device(device)).set_state(gen_state)

@@ -232,8 +232,13 @@ class LossScaler:
             (512.0, 2000)
         """
         if not isinstance(grad_scaler, torch.amp.GradScaler):
-            fail("LossScaler.from_grad_scaler", f"{type(grad_scaler).__qualname__}", "a torch.amp.GradScaler",
-                 "pass the GradScaler itself.", TypeError)  # fmt: skip
+            fail(
+                "LossScaler.from_grad_scaler",
+                passed=f"{type(grad_scaler).__qualname__}",
+                allowed="a torch.amp.GradScaler",
+                hint="pass the GradScaler itself.",
+                error=TypeError,
+            )
         device = getattr(grad_scaler, "_device", None)
         if not grad_scaler.is_enabled():
             warnings.warn(
@@ -243,9 +248,13 @@ class LossScaler:
             )
             return cls(device if device != "cuda" else None, enabled=False, **options)
         if getattr(grad_scaler, "_per_optimizer_states", None):
-            fail("LossScaler.from_grad_scaler", "a GradScaler in the middle of an iteration",
-                 "one between update() and the next scale()", "convert it after update().",
-                 RuntimeError)  # fmt: skip
+            fail(
+                "LossScaler.from_grad_scaler",
+                passed="a GradScaler in the middle of an iteration",
+                allowed="one between update() and the next scale()",
+                hint="convert it after update().",
+                error=RuntimeError,
+            )
         state = grad_scaler.state_dict()
         scaler = cls(device, state["scale"], state["growth_factor"], state["backoff_factor"],
                      state["growth_interval"], **options)  # fmt: skip
@@ -266,9 +275,12 @@ class LossScaler:
             return cast(T, self._scale_tensor(outputs))
         if isinstance(outputs, (list, tuple)):
             return cast(T, type(outputs)(self.scale(o) for o in outputs))
-        raise TypeError(
-            f"scale() takes a tensor or a list/tuple of tensors, got {type(outputs).__qualname__}. "
-            "HINT: scale the loss tensor before calling backward()."
+        fail(
+            "LossScaler.scale",
+            passed=f"outputs={type(outputs).__qualname__}",
+            allowed="a tensor or a list/tuple of tensors",
+            hint="scale the loss tensor before calling backward().",
+            error=TypeError,
         )
 
     def _scale_tensor(self, loss: Tensor) -> Tensor:
@@ -462,9 +474,15 @@ class LossScaler:
         opt = unwrap_optimizer(optimizer)
         grads = clipping.gradients(opt.param_groups)
         if sharded and has_dtensor(grads):
-            fail(call, "sharded=True", "sharded=False when the gradients are DTensors (fully_shard)",
-                 "DTensor gradients carry their sharding and their norm is already global; "
-                 "sharded=True is for plain tensors that hold one rank's shard (FSDP1, ZeRO).")  # fmt: skip
+            fail(
+                call,
+                passed="sharded=True",
+                allowed="sharded=False when the gradients are DTensors (fully_shard)",
+                hint=(
+                    "DTensor gradients carry their sharding and their norm is already global; "
+                    "sharded=True is for plain tensors that hold one rank's shard (FSDP1, ZeRO)."
+                ),
+            )
         kernels = GlobalNormKernels(self._backend(), self.process_group) if sharded else None
         if not self._enabled:
             return clipping.clip_grad_norm_(kernels or self._backend(), grads, max_norm, norm_type).total_norm

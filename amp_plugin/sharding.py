@@ -80,9 +80,12 @@ def shard_groups(tensor: Tensor) -> tuple[Any, ...]:
     groups = []
     for dim, placement in enumerate(dt.placements):
         if placement.is_partial():
-            fail("ShardAwareKernels", f"a gradient with placements {dt.placements}",
-                 "Shard or Replicate placements",
-                 "reduce the gradients (fully_shard does) before unscaling or clipping them.")  # fmt: skip
+            fail(
+                "ShardAwareKernels",
+                passed=f"a gradient with placements {dt.placements}",
+                allowed="Shard or Replicate placements",
+                hint="reduce the gradients (fully_shard does) before unscaling or clipping them.",
+            )
         if placement.is_shard():
             groups.append(dt.device_mesh.get_group(dim))
     return tuple(groups)

@@ -424,8 +424,16 @@ def test_a_group_that_is_not_a_process_group_is_refused_by_every_entry_point(gro
     ("call", "error", "match"),
     [
         (lambda: check_consistency(None, None), ValueError, r"nothing to compare.*HINT"),
-        (lambda: check_consistency(object(), None), TypeError, r"expected a LossScaler.*got object"),
-        (lambda: check_consistency(None, [1.0]), TypeError, r"iterable of tensors.*\['float'\].*HINT"),
+        (
+            lambda: check_consistency(object(), None),
+            TypeError,
+            r"scaler=object\) is not allowed: a LossScaler.*HINT",
+        ),
+        (
+            lambda: check_consistency(None, [1.0]),
+            TypeError,
+            r"\['float'\].*allowed: a module or an iterable of tensors.*HINT",
+        ),
         (lambda: ConsistencyCheck(0), ValueError, r"^ConsistencyCheck\(every_n_steps=0\) is not allowed: an"),
         (lambda: ConsistencyCheck(True), TypeError, r"^ConsistencyCheck\(every_n_steps=True\) is not"),
         (lambda: ConsistencyCheck("100"), TypeError, r"^ConsistencyCheck\(every_n_steps='100'\) is not"),

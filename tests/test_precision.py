@@ -46,15 +46,19 @@ def test_true_precisions_name_the_weight_dtype(precision: str, dtype: torch.dtyp
 @pytest.mark.parametrize(
     ("precision", "match"),
     [
-        ("16", r"Unknown precision '16'.*HINT: use '16-mixed'"),
-        (16, r"Unknown precision 16.*HINT: use '16-mixed'"),
+        ("16", r"^resolve_precision\(precision='16'\) is not allowed: one of .*HINT: use '16-mixed'"),
+        (16, r"^resolve_precision\(precision=16\) is not allowed: .*HINT: use '16-mixed'"),
         ("fp16", r"HINT: use '16-mixed'"),
         (torch.float16, r"HINT: use '16-mixed'"),
         ("bf16", r"HINT: use 'bf16-mixed'"),
         ("32", r"HINT: use '32-true'"),
         ("64-true", r"HINT: for fp64 drop the AMP plugin"),
-        ("mixed", r"allowed: 16-mixed, bf16-mixed, auto, 16-true, bf16-true, 32-true\. HINT: pick one"),
-        (None, r"Unknown precision None"),
+        (
+            "mixed",
+            r"allowed: one of '16-mixed', 'bf16-mixed', 'auto', '16-true', 'bf16-true', '32-true'\. "
+            r"HINT: pick one",
+        ),
+        (None, r"\(precision=None\) is not allowed"),
     ],
 )
 def test_resolve_precision_rejects_unknown_strings(precision: Any, match: str) -> None:

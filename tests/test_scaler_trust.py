@@ -273,7 +273,7 @@ def _changed(**change: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 CORRUPT_STATES = [
     (lambda state: {}, "empty dict comes from a disabled scaler"),
-    (lambda state: [1, 2], "expected the non-empty dict"),
+    (lambda state: [1, 2], "is not allowed: the non-empty dict"),
     (lambda state: {"scale": 1.0}, "missing keys"),
     (_changed(weird=1), "unknown keys"),
     (_changed(_growth_tracker=-1), r"_growth_tracker=-1\) is not allowed"),

@@ -142,8 +142,13 @@ def audit_model(model: nn.Module) -> AuditReport:
         ['tensor-core-size']
     """
     if not isinstance(model, nn.Module):
-        fail("audit_model", f"model={type(model).__name__}", "a torch.nn.Module",
-             "pass the model instance, e.g. audit_model(MyModel()).", TypeError)  # fmt: skip
+        fail(
+            "audit_model",
+            passed=f"model={type(model).__name__}",
+            allowed="a torch.nn.Module",
+            hint="pass the model instance, e.g. audit_model(MyModel()).",
+            error=TypeError,
+        )
     findings: list[Finding] = []
     for name, module in model.named_modules():
         findings += [*_sizes(name, module), *_norm(name, module), *_losses(name, module)]

@@ -151,8 +151,12 @@ def probe_autocast_ops(device: str | torch.device = "cpu", dtype: torch.dtype | 
     device_type = check_device(device, "probe_autocast_ops")
     available = getattr(getattr(torch, device_type, None), "is_available", None)
     if device_type != "cpu" and available is not None and not available():
-        fail("probe_autocast_ops", f"device={device_type!r} (not available here)", "a device on this machine",
-             "probe 'cpu', or run on a machine with that device.")  # fmt: skip
+        fail(
+            "probe_autocast_ops",
+            passed=f"device={device_type!r} (not available here)",
+            allowed="a device on this machine",
+            hint="probe 'cpu', or run on a machine with that device.",
+        )
     dtype = _check_dtype(device_type, dtype)
     rows = tuple(_probe(op, fn, device_type, dtype) for op, fn in _OPS.items())
     return AutocastOps(device_type, dtype, rows)
@@ -163,9 +167,20 @@ def _check_dtype(device_type: str, dtype: object) -> torch.dtype:
         return torch.bfloat16 if device_type == "cpu" else torch.float16
     hint = "pass torch.bfloat16 or torch.float16."
     if not isinstance(dtype, torch.dtype):
-        fail("probe_autocast_ops", f"dtype={dtype!r}", "a torch.dtype", hint, TypeError)
+        fail(
+            "probe_autocast_ops",
+            passed=f"dtype={dtype!r}",
+            allowed="a torch.dtype",
+            hint=hint,
+            error=TypeError,
+        )
     if dtype not in (torch.bfloat16, torch.float16):
-        fail("probe_autocast_ops", f"dtype={dtype}", "an autocast dtype (bfloat16 or float16)", hint)
+        fail(
+            "probe_autocast_ops",
+            passed=f"dtype={dtype}",
+            allowed="an autocast dtype (bfloat16 or float16)",
+            hint=hint,
+        )
     return dtype
 
 
@@ -191,8 +206,13 @@ def format_autocast_ops(results: AutocastOps | Iterable[AutocastOps]) -> str:
     """
     probes = [results] if isinstance(results, AutocastOps) else list(results)
     if not probes or not all(isinstance(p, AutocastOps) for p in probes):
-        fail("format_autocast_ops", f"results={results!r:.60}", "an AutocastOps or a list of them",
-             "pass what probe_autocast_ops() returns.", TypeError)  # fmt: skip
+        fail(
+            "format_autocast_ops",
+            passed=f"results={results!r:.60}",
+            allowed="an AutocastOps or a list of them",
+            hint="pass what probe_autocast_ops() returns.",
+            error=TypeError,
+        )
     width = max(len(op) for p in probes for op in (r.op for r in p.rows)) + 2
     lines = [
         "autocast ops: what each op returns under torch.autocast on this machine (probed)",

@@ -163,8 +163,13 @@ def format_device_report(report: dict[str, Any]) -> str:
         got = f"report={type(report).__name__}" + (
             f" with keys {sorted(report)}" if isinstance(report, dict) else ""
         )
-        fail("format_device_report", got, f"the dict device_report() returns, with keys {', '.join(keys)}",
-             "pass device_report() (or the 'device' entry of the doctor's JSON).", TypeError)  # fmt: skip
+        fail(
+            "format_device_report",
+            passed=got,
+            allowed=f"the dict device_report() returns, with keys {', '.join(keys)}",
+            hint="pass device_report() (or the 'device' entry of the doctor's JSON).",
+            error=TypeError,
+        )
     v, cpu, cuda, apex = report["versions"], report["cpu"], report["cuda"], report["apex"]
     lines = [
         "amp_plugin doctor",

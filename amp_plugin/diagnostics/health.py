@@ -238,7 +238,11 @@ def validate_monitor_options(on_pathological: object, trace_nonfinite: object, p
     check_bool(call, "trace_nonfinite", trace_nonfinite)
     if plot_path is not None and not isinstance(plot_path, (str, os.PathLike)):
         fail(
-            call, f"plot_path={plot_path!r}", "None or a file path", "pass e.g. 'loss_scale.png'.", TypeError
+            call,
+            passed=f"plot_path={plot_path!r}",
+            allowed="None or a file path",
+            hint="pass e.g. 'loss_scale.png'.",
+            error=TypeError,
         )
     if plot_path is not None and not _imports.matplotlib_available():
         raise ImportError(

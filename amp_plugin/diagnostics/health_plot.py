@@ -44,8 +44,13 @@ def plot_history(
         isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], str)
         for e in events
     ):
-        fail("plot_history", f"events={events!r:.80}", "a sequence of (step: int, label: str) pairs",
-             "pass e.g. [(300, 'corrupted batch')].", TypeError)  # fmt: skip
+        fail(
+            "plot_history",
+            passed=f"events={events!r:.80}",
+            allowed="a sequence of (step: int, label: str) pairs",
+            hint="pass e.g. [(300, 'corrupted batch')].",
+            error=TypeError,
+        )
     from matplotlib.figure import Figure  # optional: LossScaleMonitor checks for it when constructed
     from matplotlib.ticker import FuncFormatter, LogLocator
 

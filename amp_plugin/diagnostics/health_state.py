@@ -69,8 +69,13 @@ def number_or_none(
         return None
     if not is_number(value) or value < 0 or (value == 0 and not zero):  # type: ignore[operator]
         wrong_type = not isinstance(value, (int, float)) or isinstance(value, bool)
-        fail(call, f"{name}={value!r}", f"None or a finite number {'>=' if zero else '>'} 0", hint,
-             error or (TypeError if wrong_type else ValueError))  # fmt: skip
+        fail(
+            call,
+            passed=f"{name}={value!r}",
+            allowed=f"None or a finite number {'>=' if zero else '>'} 0",
+            hint=hint,
+            error=error or (TypeError if wrong_type else ValueError),
+        )
     return float(value)  # type: ignore[arg-type]
 
 
@@ -85,11 +90,22 @@ def _listed(names: tuple[str, ...]) -> str:
 def _check_dict(state: object, call: str, where: str, source: str, keys: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(state, dict):
         got = f"{where}={state!r:.80}" if where else f"state_dict={type(state).__name__}"
-        fail(call, got, f"the dict from {source}", _CORRUPT, ValueError if where else TypeError)
+        fail(
+            call,
+            passed=got,
+            allowed=f"the dict from {source}",
+            hint=_CORRUPT,
+            error=ValueError if where else TypeError,
+        )
     missing = tuple(k for k in keys if k not in state)
     if missing:
         allowed = f"the dict from {source}, with {_listed(keys)} (missing {_listed(missing)})"
-        fail(call, f"{where or 'state_dict'} with keys {sorted(map(str, state))}", allowed, _CORRUPT)
+        fail(
+            call,
+            passed=f"{where or 'state_dict'} with keys {sorted(map(str, state))}",
+            allowed=allowed,
+            hint=_CORRUPT,
+        )
     return state
 
 
@@ -101,7 +117,7 @@ class _Entries:
 
     def bad(self, key: str, allowed: str) -> NoReturn:
         name = f"{self.where}[{key!r}]" if self.where else key
-        fail(self.call, f"{name}={self.state[key]!r:.80}", allowed, _CORRUPT)
+        fail(self.call, passed=f"{name}={self.state[key]!r:.80}", allowed=allowed, hint=_CORRUPT)
 
     def count(self, key: str, high: int | None = None, of: str = "") -> int:
         value = self.state[key]
@@ -171,7 +187,7 @@ def check_records(records: object, call: str) -> list[ScaleRecord]:
         [ScaleRecord(step=3, scale=512.0, skipped_steps=1, grad_norm=0.25, skipped=True)]
     """
     if not isinstance(records, (list, tuple)):
-        fail(call, f"records={records!r:.80}", f"a list of {_RECORD}s", _CORRUPT)
+        fail(call, passed=f"records={records!r:.80}", allowed=f"a list of {_RECORD}s", hint=_CORRUPT)
 
     def real(x: object) -> bool:  # NaN is "unknown" and inf an overflowing norm: both are records
         return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -185,7 +201,12 @@ def check_records(records: object, call: str) -> list[ScaleRecord]:
         if not (
             ok and counts(r[0]) and real(r[1]) and counts(r[2]) and real(r[3]) and isinstance(r[4], bool)
         ):
-            fail(call, f"records[{i}]={tuple(r) if isinstance(r, list) else r!r:.80}", _RECORD, _CORRUPT)
+            fail(
+                call,
+                passed=f"records[{i}]={tuple(r) if isinstance(r, list) else r!r:.80}",
+                allowed=_RECORD,
+                hint=_CORRUPT,
+            )
         checked.append(ScaleRecord(r[0], float(r[1]), r[2], float(r[3]), r[4]))
     return checked
 

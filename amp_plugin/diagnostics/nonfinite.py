@@ -110,14 +110,24 @@ def _named_pairs(named_parameters: object) -> list[tuple[str, Tensor]]:
     )
     shown = f"{named_parameters!r:.60}" if isinstance(named_parameters, (str, int, float)) else "..."
     if isinstance(named_parameters, (str, bytes)) or not isinstance(named_parameters, Iterable):
-        fail("nonfinite_gradients", f"named_parameters={shown}", allowed, hint, TypeError)
+        fail(
+            "nonfinite_gradients",
+            passed=f"named_parameters={shown}",
+            allowed=allowed,
+            hint=hint,
+            error=TypeError,
+        )
     pairs = list(named_parameters)
     for item in pairs:  # plain parameters would unpack into rows and silently report nothing
         ok = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
         if not (ok and isinstance(item[1], Tensor)):
             got = f"{type(item).__name__} {item!r:.60}" if not isinstance(item, Tensor) else "a bare tensor"
             fail(
-                "nonfinite_gradients", f"named_parameters={shown}", allowed + f"; got {got}", hint, TypeError
+                "nonfinite_gradients",
+                passed=f"named_parameters={shown}",
+                allowed=allowed + f"; got {got}",
+                hint=hint,
+                error=TypeError,
             )
     return pairs
 

@@ -89,17 +89,33 @@ def _as_list(optimizers: Any) -> list[Any]:
 
 def _check_setup_args(model: Any, device: Any, dtype: Any, master_weights: Any, grad_scaling: Any) -> str:
     if not isinstance(model, nn.Module):
-        fail(_CALL, f"model={type(model).__name__}", "a torch.nn.Module",
-             "pass the model whose parameters the optimizers hold.", TypeError)  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"model={type(model).__name__}",
+            allowed="a torch.nn.Module",
+            hint="pass the model whose parameters the optimizers hold.",
+            error=TypeError,
+        )
     device_type = check_device_type(_CALL, "device_type", device)
     if dtype not in (torch.float16, torch.bfloat16):
         error = ValueError if isinstance(dtype, torch.dtype) else TypeError
         hint = "pass the torch.dtype, e.g. torch.float16, of the autocast precision in use."
-        fail(_CALL, f"dtype={dtype!r}", "torch.float16 or torch.bfloat16", hint, error)
+        fail(
+            _CALL,
+            passed=f"dtype={dtype!r}",
+            allowed="torch.float16 or torch.bfloat16",
+            hint=hint,
+            error=error,
+        )
     check_bool(_CALL, "master_weights", master_weights)
     if grad_scaling is not None and not isinstance(grad_scaling, bool):
-        fail(_CALL, f"grad_scaling={grad_scaling!r}", "None or a bool",
-             "leave it None (scaling with float16) or pass True or False.", TypeError)  # fmt: skip
+        fail(
+            _CALL,
+            passed=f"grad_scaling={grad_scaling!r}",
+            allowed="None or a bool",
+            hint="leave it None (scaling with float16) or pass True or False.",
+            error=TypeError,
+        )
     return device_type
 
 

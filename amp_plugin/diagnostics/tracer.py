@@ -146,7 +146,13 @@ class NonFiniteTracer:
         given: object = model  # typed callers cannot pass anything else; untyped ones can
         if not isinstance(given, nn.Module):
             hint = "pass the model (e.g. the LightningModule), not its output or its parameters."
-            fail("NonFiniteTracer", f"model={type(given).__name__}", "a torch.nn.Module", hint, TypeError)
+            fail(
+                "NonFiniteTracer",
+                passed=f"model={type(given).__name__}",
+                allowed="a torch.nn.Module",
+                hint=hint,
+                error=TypeError,
+            )
         self._model = model
         self._root = f"<{type(model).__name__}>"
         self._handles: list[RemovableHandle] = []

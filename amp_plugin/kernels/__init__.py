@@ -25,8 +25,10 @@ Backend = Literal["auto", "torch", "apex"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "apex")
 
 
-def check_backend(backend: object) -> Backend:
+def check_backend(backend: object, call: str = "get_kernels", name: str = "backend") -> Backend:
     """Validate a backend name; raise ``ValueError`` naming the allowed values.
+
+    ``call`` and ``name`` say where the value was passed (``AMPPrecision(kernels=...)``).
 
     Example:
         >>> check_backend("apex")
@@ -34,12 +36,14 @@ def check_backend(backend: object) -> Backend:
         >>> check_backend("cuda")
         Traceback (most recent call last):
         ...
-        ValueError: kernels='cuda' is not a kernel backend; allowed: 'auto', 'torch', 'apex'. HINT: ...
+        ValueError: get_kernels(backend='cuda') is not allowed: one of 'auto', 'torch', 'apex'. HINT: ...
     """
     if backend not in BACKENDS:
-        raise ValueError(
-            f"kernels={backend!r} is not a kernel backend; allowed: {', '.join(map(repr, BACKENDS))}. "
-            "HINT: use 'auto' to take Apex amp_C on CUDA when it is installed and torch otherwise."
+        fail(
+            call,
+            passed=f"{name}={backend!r}",
+            allowed="one of " + ", ".join(map(repr, BACKENDS)),
+            hint="use 'auto' to take Apex amp_C on CUDA when it is installed and torch otherwise.",
         )
     return backend  # type: ignore[return-value]
 
@@ -87,11 +91,17 @@ def _device_type(device: object) -> str | None:
     got = f"device={device!r}"
     allowed = "None, a torch.device or a device string such as 'cuda', 'cuda:0' or 'cpu'"
     if not isinstance(device, (str, torch.device)):
-        fail("get_kernels", got, allowed, "pass the tensors' device, e.g. grads[0].device.", TypeError)
+        fail(
+            "get_kernels",
+            passed=got,
+            allowed=allowed,
+            hint="pass the tensors' device, e.g. grads[0].device.",
+            error=TypeError,
+        )
     try:
         return torch.device(device).type
     except RuntimeError:  # torch's message lists every device type it knows, and no fix
-        fail("get_kernels", got, allowed, _device_hint(device))
+        fail("get_kernels", passed=got, allowed=allowed, hint=_device_hint(device))
 
 
 @functools.cache

@@ -49,38 +49,61 @@ def check_arguments(
         >>> check_arguments("bf16-mixed", LossScaler("cpu"), "auto", "hold")
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision(precision='bf16-mixed') does not use a loss scaler, ... HINT: drop scaler=...
+        ValueError: AMPPrecision(precision='bf16-mixed', scaler=LossScaler) is not allowed: ... HINT: ...
     """
-    check_precision(precision)
+    check_precision(precision, "AMPPrecision")
     if scaler is not None and not isinstance(scaler, (LossScaler, torch.amp.GradScaler)):
         fail(
-            "AMPPrecision", f"scaler={scaler!r:.60}", "an amp_plugin.LossScaler or a torch.amp.GradScaler",
-            "pass LossScaler(...) (it takes GradScaler's arguments), or leave scaler=None.", TypeError,
-        )  # fmt: skip
+            "AMPPrecision",
+            passed=f"scaler={scaler!r:.60}",
+            allowed="an amp_plugin.LossScaler or a torch.amp.GradScaler",
+            hint="pass LossScaler(...) (it takes GradScaler's arguments), or leave scaler=None.",
+            error=TypeError,
+        )
     if scaler is not None and precision in ("bf16-mixed", "bf16-true", "32-true"):
-        raise ValueError(
-            f"AMPPrecision(precision={precision!r}) does not use a loss scaler, but scaler= was passed. "
-            "HINT: drop scaler=, or use precision='16-mixed'."
+        fail(
+            "AMPPrecision",
+            passed=f"precision={precision!r}, scaler={type(scaler).__name__}",
+            allowed=(
+                f"scaler= only with '16-mixed' or '16-true' (precision={precision!r} does not use a loss "
+                "scaler)"
+            ),
+            hint="drop scaler=, or use precision='16-mixed'.",
         )
     if scaler is not None and not scaler.is_enabled():
         fail(
-            "AMPPrecision", f"scaler={type(scaler).__name__} (disabled)",
-            "an enabled scaler: a disabled one would train fp16 with neither loss scaling nor an inf check",
-            "leave scaler=None (the plugin makes a LossScaler for the device it trains on), or pass one "
-            "for that device, e.g. LossScaler('cpu'); a scaler for 'cuda' is disabled where CUDA is not "
-            "available. fp16 without scaling, still guarded: LossScaler(init_scale=1.0, dynamic=False).",
-        )  # fmt: skip
+            "AMPPrecision",
+            passed=f"scaler={type(scaler).__name__} (disabled)",
+            allowed=(
+                "an enabled scaler: a disabled one would train fp16 with neither loss scaling nor an inf "
+                "check"
+            ),
+            hint=(
+                "leave scaler=None (the plugin makes a LossScaler for the device it trains on), or pass one "
+                "for that device, e.g. LossScaler('cpu'); a scaler for 'cuda' is disabled where CUDA is not "
+                "available. fp16 without scaling, still guarded: LossScaler(init_scale=1.0, dynamic=False)."
+            ),
+        )
     check_bool("AMPPrecision", "guard", guard)
     if guard is False and precision in ("16-mixed", "16-true"):
         fail(
-            "AMPPrecision", f"precision={precision!r}, guard=False",
-            "guard=False only where no loss scaler runs (bf16, fp32): fp16's loss scaler always checks "
-            "and skips", "drop guard=False.",
-        )  # fmt: skip
+            "AMPPrecision",
+            passed=f"precision={precision!r}, guard=False",
+            allowed=(
+                "guard=False only where no loss scaler runs (bf16, fp32): fp16's loss scaler always checks "
+                "and skips"
+            ),
+            hint="drop guard=False.",
+        )
     if scaler is not None and precision == "auto":
-        raise ValueError(
-            "AMPPrecision(precision='auto', scaler=...) is ambiguous: 'auto' picks bf16 (no scaler) where it "
-            "can. HINT: pass precision='16-mixed' together with the scaler."
+        fail(
+            "AMPPrecision",
+            passed=f"precision='auto', scaler={type(scaler).__name__}",
+            allowed=(
+                "scaler= with an explicit fp16 precision ('auto' with a scaler is ambiguous: it picks "
+                "bf16, which uses no scaler, where it can)"
+            ),
+            hint="pass precision='16-mixed' together with the scaler.",
         )
     check_choice(
         "AMPPrecision", "clip_fused", clip_fused, ("auto", True, False), "use 'auto' (or a real bool)."
@@ -139,19 +162,37 @@ def check_half_weights(
         keep = fp32_policy.check_module_classes(keep_fp32, "AMPPrecision", "keep_fp32")
     true = precision.endswith("-true")
     if master_weights and true:
-        fail("AMPPrecision", f"precision={precision!r}, master_weights=True",
-             "master weights with '16-mixed', 'bf16-mixed' or 'auto'",
-             f"use precision={precision.replace('-true', '-mixed')!r} with master_weights=True (fp32 "
-             "masters), or drop master_weights for weights held in half only.")  # fmt: skip
+        fail(
+            "AMPPrecision",
+            passed=f"precision={precision!r}, master_weights=True",
+            allowed="master weights with '16-mixed', 'bf16-mixed' or 'auto'",
+            hint=(
+                f"use precision={precision.replace('-true', '-mixed')!r} with master_weights=True (fp32 "
+                "masters), or drop master_weights for weights held in half only."
+            ),
+        )
     if rounding != "nearest" and (not true or precision == "32-true"):
-        fail("AMPPrecision", f"precision={precision!r}, rounding={rounding!r}",
-             "a rounding other than 'nearest' with '16-true' or 'bf16-true' (weights without an fp32 copy)",
-             "use precision='bf16-true' with rounding=..., or drop rounding (fp32 weights and masters "
-             "round nothing away).")  # fmt: skip
+        fail(
+            "AMPPrecision",
+            passed=f"precision={precision!r}, rounding={rounding!r}",
+            allowed=(
+                "a rounding other than 'nearest' with '16-true' or 'bf16-true' (weights without an fp32 copy)"
+            ),
+            hint=(
+                "use precision='bf16-true' with rounding=..., or drop rounding (fp32 weights and masters "
+                "round nothing away)."
+            ),
+        )
     if keep is not None and not (master_weights or precision in ("16-true", "bf16-true")):
-        fail("AMPPrecision", f"keep_fp32={keep_fp32!r}",
-             "keep_fp32 with master_weights=True or a '16-true'/'bf16-true' precision (only then are "
-             "weights cast)", "drop keep_fp32; under autocast every weight stays fp32 anyway.")  # fmt: skip
+        fail(
+            "AMPPrecision",
+            passed=f"keep_fp32={keep_fp32!r}",
+            allowed=(
+                "keep_fp32 with master_weights=True or a '16-true'/'bf16-true' precision (only then are "
+                "weights cast)"
+            ),
+            hint="drop keep_fp32; under autocast every weight stays fp32 anyway.",
+        )
     return keep
 
 
@@ -256,13 +297,18 @@ def _check_fp16_eps(optimizers: list[Optimizer]) -> None:
             eps = group.get("eps")
             if isinstance(eps, (int, float)) and 0 <= eps < smallest_normal:
                 fail(
-                    "AMPPrecision('16-true')", f"{type(opt).__name__}(eps={eps!r})",
-                    f"eps >= {smallest_normal:.3g} (fp16's smallest normal number) when the optimizer state "
-                    "is fp16: a smaller eps rounds to 0, and a zero second moment then divides by zero and "
-                    "writes NaN into the weights",
-                    f"build {type(opt).__name__}(..., eps=1e-4), or use precision='16-mixed' with "
-                    "master_weights=True, or 'bf16-true'.",
-                )  # fmt: skip
+                    "AMPPrecision('16-true')",
+                    passed=f"{type(opt).__name__}(eps={eps!r})",
+                    allowed=(
+                        f"eps >= {smallest_normal:.3g} (fp16's smallest normal number) when the optimizer "
+                        "state is fp16: a smaller eps rounds to 0, and a zero second moment then divides by "
+                        "zero and writes NaN into the weights"
+                    ),
+                    hint=(
+                        f"build {type(opt).__name__}(..., eps=1e-4), or use precision='16-mixed' with "
+                        "master_weights=True, or 'bf16-true'."
+                    ),
+                )
 
 
 def lightning_module(model: nn.Module) -> nn.Module:

@@ -55,16 +55,27 @@ class AMPFSDPPrecision(FSDPPrecision):
         self, precision: str = "16-mixed", scaler: LossScaler | None = None, guard: bool = True
     ) -> None:
         if precision not in _PRECISIONS:
-            fail("AMPFSDPPrecision", f"precision={precision!r}", ", ".join(map(repr, _PRECISIONS)),
-                 "'16-mixed' is the precision that scales the loss.")  # fmt: skip
+            fail(
+                "AMPFSDPPrecision",
+                passed=f"precision={precision!r}",
+                allowed=", ".join(map(repr, _PRECISIONS)),
+                hint="'16-mixed' is the precision that scales the loss.",
+            )
         if scaler is not None and not isinstance(scaler, LossScaler):
-            fail("AMPFSDPPrecision", f"scaler={type(scaler).__name__}", "an amp_plugin.LossScaler or None",
-                 "pass LossScaler(...) (LossScaler.from_grad_scaler converts a torch scaler).",
-                 TypeError)  # fmt: skip
+            fail(
+                "AMPFSDPPrecision",
+                passed=f"scaler={type(scaler).__name__}",
+                allowed="an amp_plugin.LossScaler or None",
+                hint="pass LossScaler(...) (LossScaler.from_grad_scaler converts a torch scaler).",
+                error=TypeError,
+            )
         if scaler is not None and precision != "16-mixed":
-            fail("AMPFSDPPrecision", f"precision={precision!r}, scaler=LossScaler",
-                 "a scaler only with precision='16-mixed'",
-                 "drop the scaler: bf16 and fp32 need none.")  # fmt: skip
+            fail(
+                "AMPFSDPPrecision",
+                passed=f"precision={precision!r}, scaler=LossScaler",
+                allowed="a scaler only with precision='16-mixed'",
+                hint="drop the scaler: bf16 and fp32 need none.",
+            )
         check_bool("AMPFSDPPrecision", "guard", guard)
         if precision == "16-mixed" and scaler is None:
             scaler = LossScaler("cuda")
@@ -140,7 +151,10 @@ class AMPFSDPPrecision(FSDPPrecision):
         """
         guard = self._driver.scaler
         if guard is None:
-            fail("AMPFSDPPrecision.clip_grad_by_norm", "guard=False",
-                 "the guard on (the norm clip goes through its LossScaler)",
-                 "use gradient_clip_algorithm='value', or drop guard=False.")  # fmt: skip
+            fail(
+                "AMPFSDPPrecision.clip_grad_by_norm",
+                passed="guard=False",
+                allowed="the guard on (the norm clip goes through its LossScaler)",
+                hint="use gradient_clip_algorithm='value', or drop guard=False.",
+            )
         guard.clip_grad_norm_(optimizer, float(clip_val), sharded=True)

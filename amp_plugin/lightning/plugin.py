@@ -113,7 +113,7 @@ class AMPPrecision(MixedPrecision):
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip, guard)
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
-        self.kernels = check_backend(kernels)
+        self.kernels = check_backend(kernels, "AMPPrecision", "kernels")
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
         self.fp32_functions = fp32_policy.check_functions(fp32_functions, "AMPPrecision", "fp32_functions")
         # Built once (it checks the functions and probes the autocast device types); entered per forward.

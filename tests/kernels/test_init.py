@@ -41,7 +41,10 @@ def test_explicit_apex_off_cuda_raises() -> None:
 
 
 def test_unknown_backend_raises() -> None:
-    with pytest.raises(ValueError, match=r"kernels='triton' is not a kernel backend.*HINT:"):
+    with pytest.raises(
+        ValueError,
+        match=r"^get_kernels\(backend='triton'\) is not allowed: one of 'auto', 'torch', 'apex'\. HINT:",
+    ):
         get_kernels("triton")  # type: ignore[arg-type]
 
 
