@@ -29,7 +29,17 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import Case, environment, format_table, init_gloo, leave_gloo, measure, median_ms, write_json
+from _common import (
+    Case,
+    environment,
+    exit_worker,
+    format_table,
+    init_gloo,
+    leave_gloo,
+    measure,
+    median_ms,
+    write_json,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -133,6 +143,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             Path(out).write_text(json.dumps(result))
     finally:
         leave_gloo()
+    exit_worker()  # only after a clean run: an exception above still reaches mp.spawn
 
 
 def _free_port() -> int:

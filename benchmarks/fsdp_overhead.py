@@ -26,7 +26,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import Case, environment, format_table, init_gloo, leave_gloo, measure, median_ms, write_json
+from _common import (
+    Case,
+    environment,
+    exit_worker,
+    format_table,
+    init_gloo,
+    leave_gloo,
+    measure,
+    median_ms,
+    write_json,
+)
 from ddp_overhead import (
     TinyLM,
     _count_scaler_collectives,
@@ -104,6 +114,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             Path(out).write_text(json.dumps(result))
     finally:
         leave_gloo()
+    exit_worker()  # only after a clean run: an exception above still reaches mp.spawn
 
 
 def main() -> None:

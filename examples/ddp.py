@@ -98,6 +98,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         enable_progress_bar=not args.smoke, limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(model, train)
+    # Leave the process group together, while every rank is alive: a rank whose gloo group is torn
+    # down at interpreter exit, after another rank has gone, can abort ("terminate called without an
+    # active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
