@@ -78,6 +78,11 @@ def main(out_dir: str, precision: str) -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(Sharded(out_dir, poison=scaler is not None), DataLoader(data, batch_size=4))
+    # Leave the group together while both ranks are alive: gloo torn down at interpreter exit, after
+    # the other rank has gone, can abort ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
