@@ -21,11 +21,11 @@ def run_ranks(worker: Callable[[int, str, str], None], root: Path, world: int) -
     """Spawn ``world`` processes of ``worker`` and return each rank's JSON result, rank order."""
     if not dist.is_available():
         pytest.skip("this torch build has no torch.distributed")
-    mp.spawn(_run_then_exit, args=(worker, str(root / "store"), str(root)), nprocs=world)
+    mp.spawn(run_then_exit, args=(worker, str(root / "store"), str(root)), nprocs=world)
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _run_then_exit(rank: int, worker: Callable[[int, str, str], None], store: str, out: str) -> None:
+def run_then_exit(rank: int, worker: Callable[[int, str, str], None], store: str, out: str) -> None:
     """Run ``worker``, then leave the process at once: no interpreter shutdown, no gloo destructors.
 
     Freeing a distributed model or a process group at exit can abort the process ("terminate called

@@ -37,7 +37,7 @@ from amp_plugin.distributed import (
     sync_enabled,
 )
 from amp_plugin.kernels import get_kernels
-from tests._ranks import leave_group
+from tests._ranks import run_then_exit, leave_group
 
 WORLD = 2
 SCALE = 2.0**10
@@ -250,7 +250,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> list[Report]:
     out_dir = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    # Through run_then_exit: the workers skip the interpreter's shutdown, where gloo can abort.
+    mp.spawn(run_then_exit, args=(_worker, _free_port(), str(out_dir)), nprocs=WORLD, join=True)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
