@@ -37,7 +37,7 @@ from amp_plugin.distributed import (
     sync_enabled,
 )
 from amp_plugin.kernels import get_kernels
-from tests._ranks import run_then_exit, leave_group
+from tests._ranks import leave_group, run_then_exit
 
 WORLD = 2
 SCALE = 2.0**10
