@@ -1,8 +1,9 @@
 """``LossScaleMonitor``: what the loss scaler does, in the Trainer's logger and in words.
 
-Cost model (see ``docs/monitoring.md``): per optimizer step the monitor reads one flag,
-``AMPPrecision.last_step_skipped`` (one host sync; a non-fused scaler step has already synced
-on the same flag, and bf16 has no flag to read). The scale, the skip count and the gradient
+Cost model (see ``docs/monitoring.md``): per optimizer step the monitor takes the step's skip
+flag as the plugin already holds it (``AMPPrecision.last_skip``): a bool where a non-fused step
+read it, so no read here; a fused step's device flag is kept and read, with the others since,
+in one host read at the next logged step (or the epoch's end). The scale, the skip count and the gradient
 norm are read only on steps that Lightning logs (``Trainer(log_every_n_steps=...)``) and on
 skipped steps. The gradient norm is the one the clip computed; without clipping it is asked for
 on logged steps only (``AMPPrecision.request_grad_norm``). The monitor overrides neither
