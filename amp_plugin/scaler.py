@@ -286,15 +286,13 @@ class LossScaler:
     def _scale_tensor(self, loss: Tensor) -> Tensor:
         scale = self._policy.ensure(loss.device)
         self._iteration.scaled = True
-        if self._guard_only:  # nothing to scale: the loss keeps its dtype and value
-            # x * (0 * x + 1) is x, bit for bit, when x is finite; NaN (in value and gradient) when not.
-            one = torch.ones((), dtype=loss.dtype, device=loss.device)
-            return loss * torch.add(one, loss.detach(), alpha=0)
-        if loss.dtype in (torch.float16, torch.bfloat16):
-            loss = loss.float()
-        # scale + 0 * loss: the scale itself for a finite loss; NaN for a non-finite one, so that its
-        # gradients are non-finite too and the step is skipped (a NaN loss can have finite gradients).
-        return loss * torch.add(scale.to(loss.device, non_blocking=True), loss.detach(), alpha=0)
+        if loss.dtype in (torch.float16, torch.bfloat16) and not self._guard_only:
+            loss = loss.float()  # a guard scales nothing: the loss keeps its dtype
+        factor = scale.to(device=loss.device, dtype=loss.dtype, non_blocking=True)
+        # scale + 0 * loss: the scale itself for a finite loss (bit for bit); NaN for a non-finite one,
+        # so that its gradients are non-finite too and the step is skipped (a NaN loss can have finite
+        # gradients).
+        return loss * torch.add(factor, loss.detach(), alpha=0)
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.
@@ -544,9 +542,9 @@ class LossScaler:
         ``None`` for a guard (a static scale of 1) without a preset: nothing to divide by.
         """
         scale = self._require_scale("clip")
-        if self._guard_only:
-            return getattr(opt, "grad_scale", None) if _fused(opt) else None
         preset = getattr(opt, "grad_scale", None) if _fused(opt) else None
+        if self._guard_only:
+            return preset
         return scale if preset is None else scale * preset
 
     def recheck_(self, optimizer: Any) -> None:

@@ -172,7 +172,10 @@ class StepDriver:
         elif all(isinstance(f, bool) for f in flags):
             self._batch = any(flags)
         else:  # one device op per batch; nothing is read
-            self._batch = torch.stack([torch.as_tensor(f, dtype=torch.float32) for f in flags]).amax()
+            device = next(f.device for f in flags if isinstance(f, Tensor))
+            self._batch = torch.stack(
+                [torch.as_tensor(f, dtype=torch.float32, device=device) for f in flags]
+            ).amax()
         self._last = None  # from here on last_step_skipped describes the whole batch
 
     def _arm(self, scaler: LossScaler, opt: Any) -> str:

@@ -257,8 +257,8 @@ class LossScaleMonitor(Callback):
         self._pending = []
         flags = _read_flags([f for _, f in steps])
         for (step, _), skipped in zip(steps[:-1], flags, strict=False):
-            self._observe(plugin, pl_module, trainer, step, skipped, sample=False)
-        self._observe(plugin, pl_module, trainer, trainer.global_step, flags[-1], sample)
+            self._observe(plugin, pl_module, trainer, step, skipped, sample=False, current=False)
+        self._observe(plugin, pl_module, trainer, trainer.global_step, flags[-1], sample, current=True)
         if self._tracer is not None:
             self._tracer.reset()
         if epoch_done:
@@ -266,9 +266,12 @@ class LossScaleMonitor(Callback):
 
     def _observe(
         self, plugin: AMPPrecision, pl_module: LightningModule, trainer: Trainer, step: int, skipped: bool,
-        sample: bool,
+        sample: bool, current: bool,
     ) -> None:  # fmt: skip
-        """Judge one optimizer step (this batch's, or a fused step read late); log it if ``sample``."""
+        """Judge one optimizer step: this batch's (``current``) or a fused one read late; log if ``sample``.
+
+        A step read late has no gradient norm of its own any more: the plugin holds this batch's.
+        """
         scaler = plugin.scaler
         scale = scaler.get_scale() if scaler is not None and (skipped or sample) else None
         verdict = self._health.observe(skipped, scale)
@@ -277,7 +280,7 @@ class LossScaleMonitor(Callback):
         # Unguarded steps never skip: what the tracer saw is the news.
         incident = skipped or (plugin.guard is None and seen)
         if incident or sample:
-            norm = plugin.last_grad_norm if sample else None
+            norm = plugin.last_grad_norm if current else None
             record = ScaleRecord(
                 step,
                 math.nan if scale is None else scale,

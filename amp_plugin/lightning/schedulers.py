@@ -23,8 +23,6 @@ class _StepSkips(Protocol):
     @property
     def last_step_skipped(self) -> bool: ...
 
-    def step_skipped(self, optimizer: Any) -> bool: ...
-
     def known_skip(self, optimizer: Any) -> bool | None: ...
 
     @property
@@ -41,7 +39,7 @@ class SkipAwareScheduler:
 
     Args:
         scheduler: the LR scheduler to wrap.
-        plugin: says whether a step was skipped (``step_skipped(optimizer)``, or
+        plugin: says whether a step was skipped (``known_skip(optimizer)``, or
             ``last_step_skipped`` for a scheduler without ``.optimizer``) and what to do then
             (``lr_on_skip``: ``"hold"`` or ``"advance"``); an ``AMPPrecision``.
 
@@ -56,7 +54,6 @@ class SkipAwareScheduler:
         [0.5]
         >>> class Skipped:  # what AMPPrecision says after an overflow
         ...     lr_on_skip, last_step_skipped, skipped_steps_seen = "hold", True, 0
-        ...     def step_skipped(self, optimizer): return True
         ...     def known_skip(self, optimizer): return True
         >>> held = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), Skipped())
         >>> held.step(); held.get_last_lr()
