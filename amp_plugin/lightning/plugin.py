@@ -11,7 +11,7 @@ Lightning internal (``_compat``).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -34,6 +34,7 @@ from amp_plugin.master_weights import MasterWeights
 from amp_plugin.opt_levels import opt_level_arguments
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
+from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
 from amp_plugin.sharding import ShardAwareKernels
 from amp_plugin.step import StepDriver
@@ -247,15 +248,28 @@ class AMPPrecision(MixedPrecision):
         return torch.autocast(device, dtype=dtype, cache_enabled=False)
 
     @override
+    def tensor_init_context(self) -> AbstractContextManager[Any]:
+        """With "-true", tensors and layers are created in the half dtype (Lightning's ``HalfPrecision``)."""
+        dtype = true_dtype(self.requested)
+        return nullcontext() if dtype is None else default_dtype(dtype)
+
+    @override
+    def module_init_context(self) -> AbstractContextManager[Any]:
+        return self.tensor_init_context()
+
+    @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Autocast for every step (training, validation, test, predict); inside it, the fp32 functions."""
-        with self.autocast_context_manager():
-            if self._fp32_mode is None or self.dtype == torch.float32:
-                yield
-                return
-            with self._fp32_mode:
-                yield
+        """Autocast for every step (training, validation, test, predict); inside it, the fp32 functions.
+
+        With "-true", tensors created in the step take the half dtype too.
+        """
+        with ExitStack() as stack:
+            stack.enter_context(self.autocast_context_manager())
+            stack.enter_context(self.tensor_init_context())
+            if self._fp32_mode is not None and self.dtype != torch.float32:
+                stack.enter_context(self._fp32_mode)
+            yield
 
     @override
     @contextmanager
