@@ -18,12 +18,15 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
 from amp_plugin._validation import check_choice
+from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import checks
 from amp_plugin.scaler import LossScaler
@@ -44,6 +47,9 @@ class AMPPrecision(MixedPrecision):
             settings and state); fp16 gets ``LossScaler()`` by default.
         kernels: kernel backend for the default scaler.
         fp32_modules: module classes whose forward runs in fp32 with autocast off.
+        fp8: run the eligible ``nn.Linear`` layers' matmuls in fp8 through torchao (with
+            ``"bf16-mixed"``): a recipe name or a :class:`~amp_plugin.fp8.Float8`; the layers are
+            converted in ``fabric.setup(model)``, and :attr:`fp8_report` says which.
 
     ``fabric.save(path, {"model": model, "optimizer": optimizer, "amp": precision})`` stores the
     scaler state (Fabric saves what it is handed, and it does not hand over the precision plugin
@@ -65,8 +71,10 @@ class AMPPrecision(MixedPrecision):
         kernels: Backend = "auto",
         fp32_modules: Sequence[type[nn.Module]] = (),
         guard: bool = True,
+        fp8: Recipe | Float8 | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, "auto", "hold", guard)
+        spec = check_fp8_request("AMPPrecision (Fabric)", fp8, precision)
         allowed = ("16-mixed", "bf16-mixed", "auto")
         hint = "the '-true' precisions are the Trainer plugin's: use Fabric(precision='bf16-true')."
         check_choice("AMPPrecision (Fabric)", "precision", precision, allowed, hint)
@@ -87,6 +95,8 @@ class AMPPrecision(MixedPrecision):
             scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
         self._driver = StepDriver(scaler)
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
+        self.fp8 = spec
+        self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
 
     @override
     def forward_context(self) -> torch.autocast:
@@ -98,6 +108,9 @@ class AMPPrecision(MixedPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
+        if self.fp8 is not None:
+            self.fp8_report = fp8_layers.convert(module, self.fp8)
+            rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
         return module
 
     @override

@@ -57,6 +57,7 @@ __all__ = [
     "Float8Report",
     "LayerChoice",
     "Recipe",
+    "check_fp8_request",
     "convert",
     "float8_layer_names",
     "plain_tensor",
@@ -209,6 +210,46 @@ class Float8Report:
         return "\n".join(lines)
 
 
+def check_fp8_request(
+    call: str, fp8: object, precision: object, master_weights: object = False
+) -> Float8 | None:
+    """``fp8`` as a :class:`Float8` (``None`` when off) if the plugin can run it; else a clear error.
+
+    fp8 runs inside bf16 autocast: ``precision="bf16-mixed"`` only (torchao's float8 recipes are
+    built and tested for bf16; fp16 with loss scaling on top is not supported here), with fp32
+    weights (no ``master_weights``). Needs torchao (``ImportError`` with the install command).
+    Everything is checked before anything is set.
+
+    Example:
+        >>> check_fp8_request("AMPPrecision", None, "16-mixed") is None
+        True
+        >>> check_fp8_request("AMPPrecision", "tensorwise", "16-mixed")
+        Traceback (most recent call last):
+        ...
+        ValueError: AMPPrecision(precision='16-mixed', fp8='tensorwise') is not allowed: ... HINT: ...
+    """
+    spec = Float8.of(fp8, call)
+    if spec is None:
+        return None
+    shown = repr(fp8) if isinstance(fp8, str) else f"Float8({spec.recipe!r}, ...)"
+    if precision != "bf16-mixed":
+        fail(
+            call,
+            passed=f"precision={precision!r}, fp8={shown}",
+            allowed="fp8 with precision='bf16-mixed' (the layers outside fp8 run under bf16 autocast)",
+            hint="use precision='bf16-mixed' together with fp8=... (fp8 hardware always has bf16).",
+        )
+    if master_weights is True:
+        fail(
+            call,
+            passed=f"fp8={shown}, master_weights=True",
+            allowed="fp8 with fp32 weights (torchao keeps the fp32 weights and casts them per matmul)",
+            hint="drop master_weights: the fp32 weights are the masters already.",
+        )
+    require_torchao(f"{call}(fp8={shown})")
+    return spec
+
+
 def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
@@ -216,11 +257,16 @@ def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
 
 
 def _shared_parameter_ids(model: nn.Module) -> set[int]:
-    """Ids of parameters registered in more than one place (tied weights)."""
-    seen: dict[int, int] = {}
-    for _, parameter in model.named_parameters(remove_duplicate=False):
-        seen[id(parameter)] = seen.get(id(parameter), 0) + 1
-    return {key for key, count in seen.items() if count > 1}
+    """Ids of parameters that more than one module holds (tied weights).
+
+    Counted per module, not per path: a module reachable twice (a compiled wrapper around the
+    model) does not make its parameters shared.
+    """
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            holders[id(parameter)] = holders.get(id(parameter), 0) + 1
+    return {key for key, count in holders.items() if count > 1}
 
 
 def _default_reason(spec: Float8, linear: nn.Linear, index: int, count: int, shared: set[int]) -> str | None:
