@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -117,9 +119,21 @@ def test_limited_precision_example_prints_the_table_and_writes_the_plot(tmp_path
     assert all(0 <= float(r[-2]) <= 100 for r in rows)
     assert "plot written to runs/limited_precision.png" in out
     assert (tmp_path / "runs" / "limited_precision.png").stat().st_size > 1000
+
+
 def test_fabric_example_skips_clips_and_resumes_bit_exactly(tmp_path: Path) -> None:
     out = _run("fabric.py", cwd=tmp_path)
     assert _summary_value(out, "precision").startswith("16-mixed (torch.float16) with LossScaler")
     assert 0 in ast.literal_eval(_summary_value(out, "skipped steps").partition("at steps ")[2])  # warm-up
     assert "(unscaled, clipped to 5.0)" in _summary_value(out, "grad norm")
     assert _summary_value(out, "resume") == "bit-exact"
+
+
+def test_fp8_example_trains_both_and_reports_the_layers(tmp_path: Path) -> None:
+    pytest.importorskip("torchao", reason="examples/fp8.py needs torchao (pip install 'amp_plugin[fp8]')")
+    out = _run("fp8.py", cwd=tmp_path)
+    assert "fp8 (tensorwise): 7 of 9 Linear layers" in out
+    assert "blocks.0.qkv (first Linear layer), head (last Linear layer)" in out
+    bf16 = float(_summary_value(out, "bf16 final loss (mean of last 1)"))
+    fp8 = float(_summary_value(out, "fp8 final loss (mean of last 1)"))
+    assert abs(fp8 - bf16) <= 0.05 * bf16
