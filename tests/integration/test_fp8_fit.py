@@ -97,7 +97,8 @@ def _fit(
 
 
 def test_fp8_fit_converts_reports_and_trains_like_bf16(caplog: pytest.LogCaptureFixture) -> None:
-    """30 steps of TinyLM: the mean loss of the last 10 is within 5% of bf16's (measured: about 0.5%)."""
+    """30 steps of TinyLM: the mean loss of the last 10 is within 5% of bf16's (measured on CPU: bf16 0.3156,
+    fp8 tensorwise 0.3163, +0.23%)."""
     reference = _LM()
     _fit(reference, AMPPrecision("bf16-mixed"))
     module, plugin = _LM(), AMPPrecision("bf16-mixed", fp8=SMALL)
