@@ -469,7 +469,15 @@ class LossScaler:
         norm_type = _scaler_rules.check_norm_type(call, norm_type)
         error_if_nonfinite = check_bool(call, "error_if_nonfinite", error_if_nonfinite)
         sharded = check_bool(call, "sharded", sharded)
-        opt = unwrap_optimizer(optimizer)
+        return self._clip_grad_norm(
+            unwrap_optimizer(optimizer), max_norm, norm_type, error_if_nonfinite, sharded
+        )
+
+    def _clip_grad_norm(
+        self, opt: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool, sharded: bool
+    ) -> Tensor:
+        """:meth:`clip_grad_norm_` on an unwrapped optimizer with checked arguments (the step driver's)."""
+        call = "LossScaler.clip_grad_norm_"
         grads = clipping.gradients(opt.param_groups)
         if sharded and has_dtensor(grads):
             fail(

@@ -23,20 +23,17 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin import clipping, fp32_policy
-from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
+from amp_plugin import fp32_policy
+from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning import checkpoint as checkpoints
-from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY
 from amp_plugin.lightning.half_weights import HalfWeights
 from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.master_weights import MasterWeights
 from amp_plugin.opt_levels import opt_level_arguments
-from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
-from amp_plugin.sharding import ShardAwareKernels
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -172,7 +169,9 @@ class AMPPrecision(MixedPrecision):
         if guard is None and self._guard:  # nothing to scale: a guard that only checks and skips
             guard = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
         if self._driver is None or self._driver.scaler is not guard:
-            self._driver = StepDriver(guard, None if self._half is None else self._half.before_step)
+            self._driver = StepDriver(
+                guard, None if self._half is None else self._half.before_step, self.kernels
+            )
         self.device, self.dtype = device_type, dtype
         return device_type, dtype
 
@@ -341,7 +340,7 @@ class AMPPrecision(MixedPrecision):
         """Between backward and step: the ``on_before_optimizer_step`` hooks, then clipping, then the norm."""
         _compat.after_closure(self, model, optimizer)  # Lightning's own order of the two
         if self._want_grad_norm and self.last_grad_norm is None:
-            self.last_grad_norm = self._grad_norm(optimizer)
+            self.last_grad_norm = self._require_driver().grad_norm(optimizer)
         self._want_grad_norm = False
 
     @property
@@ -359,55 +358,30 @@ class AMPPrecision(MixedPrecision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        entry = checkpoints.checkpoint_entry(str(self.precision), self.scaler)
-        guard = self.guard
-        if self.scaler is None and guard is not None:  # bf16/fp32: the guard's skip counts resume too
-            entry["guard"] = guard.state_dict()
-        checkpoint[CHECKPOINT_KEY] = entry
-        if self._half is not None:
-            self._half.on_save(checkpoint, entry)
+        checkpoints.save_entry(checkpoint, str(self.precision), self.scaler, self.guard, self._half)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.check_checkpoint(checkpoint)
-        if self._half is not None:
-            self._half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))
-        state = checkpoints.scaler_state(checkpoint)
-        if state is not None:
-            self.load_state_dict(state)
-        guard_state = self._guard_state(checkpoint)
-        if guard_state is not None and self.guard is not None:
-            self.guard.load_state_dict(guard_state)
-
-    def _guard_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-        """The bf16/fp32 guard's state in the checkpoint, where this run has a guard and no scaler."""
-        entry = checkpoint.get(CHECKPOINT_KEY)
-        state = entry.get("guard") if isinstance(entry, dict) and self.scaler is None else None
-        return state if isinstance(state, dict) and state else None
+        checkpoints.load_entry(checkpoint, self.scaler, self.guard, self._half)
 
     def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Raise ``ValueError`` if the checkpoint's plugin state would not load; change nothing.
 
-        Checked: the loss-scaler state, and with half-precision weights the fp32 master values
-        (shapes) and the rounding state. Lightning restores the precision plugin only after it
-        has replaced the model's weights. To refuse a corrupt checkpoint before that, call this
+        Checked: the loss-scaler (or guard) state, and with half-precision weights the fp32 master
+        values (shapes) and the rounding state. Lightning restores the precision plugin only after
+        it has replaced the model's weights. To refuse a corrupt checkpoint before that, call this
         from the LightningModule's ``on_load_checkpoint``, the one hook Lightning runs earlier::
 
             def on_load_checkpoint(self, checkpoint):
                 self.trainer.precision_plugin.check_checkpoint(checkpoint)
 
         Example:
-            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({CHECKPOINT_KEY: "garbage"})
+            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({"amp_plugin": "garbage"})
             Traceback (most recent call last):
             ...
             ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
         """
-        checkpoints.check_scaler_state(checkpoint, self.scaler)
-        guard_state = self._guard_state(checkpoint)
-        if guard_state is not None and self.guard is not None:
-            self.guard.check_state_dict(guard_state)
-        if self._half is not None:
-            self._half.check(checkpoint, checkpoint.get(CHECKPOINT_KEY))
+        checkpoints.check_entry(checkpoint, self.scaler, self.guard, self._half)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -423,15 +397,6 @@ class AMPPrecision(MixedPrecision):
         gradients, which is why it is asked for per step (e.g. on logging steps only).
         """
         self._want_grad_norm = True
-
-    def _grad_norm(self, optimizer: Any) -> Tensor:
-        if self.guard is not None:
-            return self.guard.grad_norm(optimizer)
-        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        return self._kernels_for(grads).norm(grads)
-
-    def _kernels_for(self, grads: list[Tensor]) -> Kernels:
-        return ShardAwareKernels(get_kernels(self.kernels, grads[0].device if grads else None))
 
     @override
     def clip_gradients(
@@ -450,22 +415,13 @@ class AMPPrecision(MixedPrecision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self._norm_clipped = True
-        if self.guard is not None:
-            self.last_grad_norm = self.guard.clip_grad_norm_(optimizer, float(clip_val))
-            return
-        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        self.last_grad_norm = clipping.clip_grad_norm_(
-            self._kernels_for(grads), grads, float(clip_val)
-        ).total_norm
+        self.last_grad_norm = self._require_driver().clip_grad_norm_(optimizer, float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
-            self.last_grad_norm = self._grad_norm(optimizer)
-        if self.guard is not None:
-            self.guard.clip_grad_value_(optimizer, float(clip_val))
-        else:
-            Precision.clip_grad_by_value(self, unwrap_optimizer(optimizer), clip_val)
+            self.last_grad_norm = self._require_driver().grad_norm(optimizer)
+        self._require_driver().clip_grad_value_(optimizer, float(clip_val))
 
     @property
     def guard(self) -> LossScaler | None:
