@@ -22,10 +22,12 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
+from torch import Tensor
 
 __all__ = [
     "after_closure",
     "attached_trainer",
+    "before_backward_hooks",
     "epoch_training_done",
     "init_fsdp_precision",
     "logged_step",
@@ -64,6 +66,15 @@ def after_closure(precision: Precision, model: LightningModule, optimizer: Any) 
         on_before_optimizer_step
     """
     precision._after_closure(model, optimizer)
+
+
+def before_backward_hooks(precision: Precision, loss: Tensor, module: LightningModule) -> None:
+    """Run the ``on_before_backward`` hooks (callbacks, then the module) with the unscaled ``loss``.
+
+    Lightning's base ``Precision.pre_backward``, which calls its private ``call._call_*_hook``
+    helpers; ``MixedPrecision.pre_backward`` would also scale the loss with its GradScaler.
+    """
+    Precision.pre_backward(precision, loss, module)
 
 
 def should_update_logs(trainer: Trainer) -> bool:

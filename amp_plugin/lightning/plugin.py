@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -287,7 +287,7 @@ class AMPPrecision(MixedPrecision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # The hooks get the loss as the user computed it; only backward sees the scaled one.
-        Precision.pre_backward(self, tensor, module)  # not MixedPrecision's: it scales for GradScaler
+        _compat.before_backward_hooks(self, tensor, module)  # the hooks see the loss as computed
         guard = self._require_driver().scaler
         return tensor if guard is None else guard.scale(tensor)
 
@@ -300,10 +300,10 @@ class AMPPrecision(MixedPrecision):
         # (automatic optimization calls backward outside it, where there is nothing to turn off).
         device = self.device or "cpu"
         if not torch.is_autocast_enabled(device):
-            Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+            model.backward(tensor, *args, **kwargs)  # what Precision.backward does
             return
         with torch.autocast(device, enabled=False):
-            Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+            model.backward(tensor, *args, **kwargs)  # what Precision.backward does
 
     @override
     def optimizer_step(  # type: ignore[override]

@@ -52,6 +52,7 @@ def _trainer(plugin: Any, steps: int = 2, **kwargs: Any) -> Trainer:
 PINNED = [
     "after_closure",
     "attached_trainer",
+    "before_backward_hooks",
     "epoch_training_done",
     "init_fsdp_precision",
     "logged_step",
@@ -102,6 +103,11 @@ def test_lightning_internals_we_read_still_exist() -> None:
     module.on_before_optimizer_step = seen.append  # type: ignore[method-assign]
     _compat.after_closure(trainer.precision_plugin, module, trainer.optimizers[0])
     assert seen == [trainer.optimizers[0]]
+    # Precision.pre_backward runs the on_before_backward hooks with the loss it is given.
+    module.on_before_backward = seen.append  # type: ignore[method-assign]
+    loss = torch.tensor(3.0)
+    _compat.before_backward_hooks(trainer.precision_plugin, loss, module)
+    assert seen[-1] is loss
     # FSDPPrecision.__init__ reads self.precision before it sets it: with the class default it
     # refuses any scaler; set first, the scaler passed is kept and no ShardedGradScaler is built.
     with pytest.raises(ValueError, match="does not use a scaler"):
