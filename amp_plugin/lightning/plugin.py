@@ -208,9 +208,13 @@ class AMPPrecision(MixedPrecision):
         device, dtype = self._settings(checks.module_device(model))
         module = checks.lightning_module(model)  # strategies hand over their wrapper (DDP, ...)
         checks.check_fit_start(
-            module, optimizers, device, dtype, grad_scaling=self.scaler is not None,
+            module,
+            optimizers,
+            device,
+            dtype,
+            grad_scaling=self.scaler is not None,
             weights="fp32" if self._half is None else "master" if self.master_weights else "half",
-        )  # fmt: skip
+        )
         if self._half is not None:
             self._half.attach(optimizers)
         if self._fp32_hooks is None and self.fp32_modules:
@@ -320,9 +324,12 @@ class AMPPrecision(MixedPrecision):
             self.last_grad_norm = None
             return closure_result
         return driver.step(
-            optimizer, lambda: self._run_hooks(model, optimizer), observe_unscaled=not self._fast_clip,
-            update=model.automatic_optimization, **kwargs,
-        )  # fmt: skip
+            optimizer,
+            lambda: self._run_hooks(model, optimizer),
+            observe_unscaled=not self._fast_clip,
+            update=model.automatic_optimization,
+            **kwargs,
+        )
 
     def _run_hooks(self, model: LightningModule, optimizer: Any) -> bool:
         """``on_before_optimizer_step`` and clipping; whether a norm clip ran (it checked the gradients)."""
