@@ -28,9 +28,9 @@ from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning import checkpoint as checkpoints
 from amp_plugin.lightning.half_weights import HalfWeights
+from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.master_weights import MasterWeights
-from amp_plugin.opt_levels import opt_level_arguments
 from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
@@ -147,7 +147,7 @@ class AMPPrecision(MixedPrecision):
 
         O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
         master weights, O3 pure fp16 (static loss scale 1.0, as in Apex). See
-        :mod:`amp_plugin.opt_levels` for the table and the keywords.
+        :mod:`amp_plugin.lightning.opt_levels` for the table and the keywords.
 
         Example:
             >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")
