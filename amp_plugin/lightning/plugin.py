@@ -24,17 +24,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin import clipping, fp32_policy
+from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning import checkpoint as checkpoints
 from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY
-from amp_plugin.lightning.half_weights import HalfWeights
-from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.master_weights import MasterWeights
 from amp_plugin.opt_levels import opt_level_arguments
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.scaler import LossScaler
+from amp_plugin.schedulers import SkipAwareScheduler
 from amp_plugin.sharding import ShardAwareKernels
 from amp_plugin.step import StepDriver
 
