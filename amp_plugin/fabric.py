@@ -18,6 +18,7 @@ values for ``fabric.log_dict`` (:meth:`AMPPrecision.metrics`).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -127,8 +128,10 @@ class AMPPrecision(MixedPrecision):
             scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
         self._driver = StepDriver(scaler, None if self._half is None else self._half.before_step)
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
-        self._converted = False  # convert_module ran: the masters exist
-        self._attached: set[int] = set()  # id(optimizer) of the optimizers handed to the half weights
+        self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
+        self._attached: set[int] = (
+            set()
+        )  # id(optimizer) of the optimizers checked (and handed to the half weights)
 
     def __repr__(self) -> str:
         return f"amp_plugin.fabric.AMPPrecision({self.requested!r})"
@@ -193,7 +196,7 @@ class AMPPrecision(MixedPrecision):
         """
         if self._half is not None:
             self._half.convert(module, self.dtype, self.fp32_modules)
-            self._converted = True
+        self._module = weakref.ref(module)
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
         return module
@@ -201,11 +204,15 @@ class AMPPrecision(MixedPrecision):
     # -- the optimizers ----------------------------------------------------------------------------
 
     def attach(self, *optimizers: Any) -> None:
-        """Hand ``optimizers`` to the fp32 master weights or the rounding hooks (no-op without half weights).
+        """Check ``optimizers`` as the Trainer plugin does at fit start; hand them to the half weights.
 
-        Each optimizer is attached at its first ``step()`` or ``fabric.clip_gradients`` by itself.
-        Call this after ``fabric.setup`` and before ``fabric.load`` restores an optimizer's state
-        with master weights: loaded into the half parameters, the state would be rounded to half.
+        With master weights the optimizer then steps the fp32 masters; with a rounding its steps
+        are rounded into the half weights. Refused (``ValueError``, nothing changed) is what the
+        Trainer refuses at fit start: LBFGS under loss scaling, an ``eps`` that fp16 rounds to
+        zero under "16-true", a half parameter without a master. Each optimizer is attached at
+        its first ``step()`` or ``fabric.clip_gradients`` by itself; call this after
+        ``fabric.setup`` and before ``fabric.load`` restores an optimizer's state with master
+        weights: loaded into the half parameters, the state would be rounded to half.
 
         Example:
             >>> plugin = AMPPrecision("bf16-mixed", master_weights=True, device="cpu")
@@ -215,13 +222,16 @@ class AMPPrecision(MixedPrecision):
             >>> model.weight.dtype, opt.param_groups[0]["params"][0].dtype
             (torch.bfloat16, torch.float32)
         """
-        if self._half is None:
-            return
         for optimizer in optimizers:
             opt = unwrap_optimizer(optimizer)
             if id(opt) in self._attached:
                 continue
-            if not self._converted:
+            module = None if self._module is None else self._module()
+            if module is not None:
+                weights = "fp32" if self._half is None else "master" if self.master_weights else "half"
+                grad_scaling = self.scaler is not None
+                checks.check_fit_start(module, [opt], self.device, self.dtype, grad_scaling, weights)
+            elif self._half is not None:
                 fail(
                     "AMPPrecision.attach",
                     passed=f"optimizer={type(opt).__name__} before the model was set up",
@@ -229,8 +239,9 @@ class AMPPrecision(MixedPrecision):
                     hint="call precision.attach(optimizer) after fabric.setup.",
                     error=RuntimeError,
                 )
-            self._refuse_early_state(opt)
-            self._half.attach([opt])
+            if self._half is not None:
+                self._refuse_early_state(opt)
+                self._half.attach([opt])
             self._attached.add(id(opt))
 
     def _refuse_early_state(self, opt: Optimizer) -> None:
@@ -405,9 +416,9 @@ class AMPPrecision(MixedPrecision):
 
     @override
     def teardown(self) -> None:
+        self._attached.clear()
         if self._half is not None:
             self._half.detach()
-            self._attached.clear()
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None

@@ -225,6 +225,17 @@ def test_optimizer_state_loaded_before_the_masters_are_attached_is_refused(tmp_p
     _assert_same(before, _snapshot(model, opt))
 
 
+def test_16_true_refuses_an_eps_that_rounds_to_zero_before_the_first_step() -> None:
+    fabric, model, opt = _setup(AMPPrecision("16-true", device="cpu"), eps=1e-8)
+    before = _snapshot(model, opt)
+    fabric.backward(model(_batches()[0][0]).float().sum())
+    with pytest.raises(
+        ValueError, match=r"AdamW\(eps=1e-08\).*6.1e-05.*NaN.*HINT: build AdamW\(\.\.\., eps=1e-4\)"
+    ):
+        opt.step()
+    _assert_same(before, _snapshot(model, opt))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
