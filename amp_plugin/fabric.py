@@ -116,7 +116,8 @@ class AMPPrecision(MixedPrecision):
         if scaler is None and dtype == torch.float16:
             scaler = LossScaler(kernels=self.kernels)
         # What Fabric's MixedPrecision sets up (its ThroughputMonitor reads the input dtype).
-        self.precision, self.device, self.scaler, self._desired_input_dtype = name, device_type, scaler, dtype  # type: ignore[assignment]
+        self.precision = name  # type: ignore[assignment]  # resolve_settings returns a precision name
+        self.device, self.scaler, self._desired_input_dtype = device_type, scaler, dtype
         self.requested, self.dtype = precision, dtype
         self.master_weights, self.rounding, self.lr_on_skip = master_weights, rounding, lr_on_skip
         self._half = (
@@ -129,9 +130,7 @@ class AMPPrecision(MixedPrecision):
         self._driver = StepDriver(scaler, None if self._half is None else self._half.before_step)
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
         self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
-        self._attached: set[int] = (
-            set()
-        )  # id(optimizer) of the optimizers checked (and handed to the half weights)
+        self._attached: set[int] = set()  # id() of the optimizers checked and handed to the half weights
 
     def __repr__(self) -> str:
         return f"amp_plugin.fabric.AMPPrecision({self.requested!r})"
@@ -249,11 +248,15 @@ class AMPPrecision(MixedPrecision):
         if masters is None or not any(masters.master_of(p) is not None and p in opt.state
                                       for group in opt.param_groups for p in group["params"]):  # fmt: skip
             return
-        raise RuntimeError(
-            f"{type(opt).__name__} has state for the model's half parameters before the fp32 master weights "
-            "were attached: it was loaded (fabric.load) into the half parameters, which rounded it to "
-            f"{self.dtype}, and the masters cannot step on it. HINT: call precision.attach(optimizer) "
-            "after fabric.setup and before fabric.load."
+        fail(
+            "AMPPrecision(master_weights=True).attach",
+            passed=f"optimizer={type(opt).__name__} with state for the model's half parameters",
+            allowed=(
+                "an optimizer without state until it steps the fp32 masters (state loaded by fabric.load "
+                f"into the half parameters was rounded to {self.dtype})"
+            ),
+            hint="call precision.attach(optimizer) after fabric.setup and before fabric.load.",
+            error=RuntimeError,
         )
 
     @property
@@ -359,9 +362,9 @@ class AMPPrecision(MixedPrecision):
 
         ``amp/scale`` (fp16's loss scale), ``amp/skipped_steps``, ``amp/skip_rate`` (skipped steps
         over all steps of the run), and ``amp/grad_norm`` when ``grad_norm`` is passed (the
-        unscaled norm ``fabric.clip_gradients`` returned; inf/NaN on a skipped step). The
+        unscaled norm ``fabric.clip_gradients`` returned; left out when it is NaN). The
         Trainer's ``LossScaleMonitor`` logs the same keys (its skip rate over a recent window).
-        Reading them synchronises with the device once: call it on logging steps.
+        It reads the scale and the skip count from the device (a sync on CUDA): call it on logging steps.
 
         Example:
             >>> AMPPrecision("16-mixed", device="cpu").metrics(grad_norm=0.5)
