@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from amp_plugin.scaler import LossScaler
 
 if TYPE_CHECKING:
-    from amp_plugin.lightning.half_weights import HalfWeights
+    from amp_plugin.half_weights import HalfWeights
 
 __all__ = [
     "CHECKPOINT_KEY",

@@ -24,16 +24,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin import fp32_policy
+from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning import checkpoint as checkpoints
-from amp_plugin.lightning.half_weights import HalfWeights
 from amp_plugin.lightning.opt_levels import opt_level_arguments
-from amp_plugin.lightning.schedulers import SkipAwareScheduler
 from amp_plugin.master_weights import MasterWeights
 from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
+from amp_plugin.schedulers import SkipAwareScheduler
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -188,10 +188,11 @@ class AMPPrecision(MixedPrecision):
         Strategies call this before moving the model, wrapping it (DDP) and building its
         optimizers; so the masters are made from the original fp32 values.
         """
+        trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
+        if trainer is None:  # only Fabric's setup hands over a model that no Trainer holds
+            raise TypeError(_IN_FABRIC.format(self=self))
         if self._half is not None:
-            trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
-            device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
-            self._half.convert(module, self._settings(device)[1], self.fp32_modules)
+            self._half.convert(module, self._settings(trainer.strategy.root_device)[1], self.fp32_modules)
         return module
 
     @override
@@ -467,6 +468,13 @@ class AMPPrecision(MixedPrecision):
         """The guard's skipped steps as last known on the host (see :attr:`LossScaler.skipped_steps_seen`)."""
         guard = self.guard
         return 0 if guard is None else guard.skipped_steps_seen
+
+
+_IN_FABRIC = (
+    "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed: that is the Trainer's "
+    "plugin; Fabric takes amp_plugin.fabric.AMPPrecision (the same arguments). "
+    "HINT: from amp_plugin.fabric import AMPPrecision"
+)
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
