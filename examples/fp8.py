@@ -108,9 +108,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--min-features", type=int, default=64,
         help="the smallest Linear dimension fp8 takes (default 64 here; the library's default is 1024)",
     )  # fmt: skip
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (default: 1, steady on a busy machine)"
+    )
     parser.add_argument("--smoke", action="store_true", help="a few steps, for the tests")
     args = parser.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    torch.set_num_threads(args.threads)
     steps = 8 if args.smoke else args.steps
 
     bf16, bf16_s = train(AMPPrecision("bf16-mixed"), args.dim, steps)

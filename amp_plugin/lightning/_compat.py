@@ -18,14 +18,18 @@ upgrade that renames one fails there rather than in a user's run. Also relied up
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
+from torch import Tensor
 
 __all__ = [
     "after_closure",
     "attached_trainer",
+    "before_backward_hooks",
+    "called_by_fabric",
     "epoch_training_done",
     "init_fsdp_precision",
     "logged_step",
@@ -64,6 +68,30 @@ def after_closure(precision: Precision, model: LightningModule, optimizer: Any) 
         on_before_optimizer_step
     """
     precision._after_closure(model, optimizer)
+
+
+def before_backward_hooks(precision: Precision, loss: Tensor, module: LightningModule) -> None:
+    """Run the ``on_before_backward`` hooks (callbacks, then the module) with the unscaled ``loss``.
+
+    Lightning's base ``Precision.pre_backward``, which calls its private ``call._call_*_hook``
+    helpers; ``MixedPrecision.pre_backward`` would also scale the loss with its GradScaler.
+    """
+    Precision.pre_backward(precision, loss, module)
+
+
+def called_by_fabric() -> bool:
+    """Whether the caller's caller is Lightning Fabric's own code (``Fabric.setup`` and the like).
+
+    Reads the calling frame's module name (``lightning.fabric...`` or ``lightning_fabric...``): a
+    Trainer precision plugin handed to ``Fabric(plugins=...)`` can refuse at ``setup`` while a
+    direct call (a test, a script) still works.
+
+    Example:
+        >>> called_by_fabric()
+        False
+    """
+    name = str(sys._getframe(2).f_globals.get("__name__", ""))
+    return name.startswith(("lightning.fabric", "lightning_fabric"))
 
 
 def should_update_logs(trainer: Trainer) -> bool:

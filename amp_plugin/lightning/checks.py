@@ -7,6 +7,8 @@ strategy's wrapper, and whether any hook can look at the gradients between backw
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
@@ -127,15 +129,17 @@ def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, 
     if requested == "auto":
         name = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
         rank_zero_info(f"AMPPrecision('auto') chose {name}: {precisions.auto_precision_reason(device_type)}")
-    if device_type == "cpu" and dtype != torch.float32 and not precisions.native_on_cpu(dtype):
-        kind = "bf16" if dtype == torch.bfloat16 else "fp16"
-        rank_zero_warn(
-            f"AMPPrecision({name!r}): this CPU has no {kind} instructions (AVX512-BF16 or "
-            f"AMX), so CPU autocast emulates {kind}, and training typically runs many times slower than "
-            "in fp32. HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU "
-            "with AMX."
-        )
+    note = precisions.cpu_emulation_note(dtype) if device_type == "cpu" else None
+    if note is not None:  # a warning where "auto" chose it; information where it was asked for by name
+        hint = "train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU with AMX."
+        _say_once(f"AMPPrecision({name!r}): {note}. HINT: {hint}", warn=requested == "auto")
     return device_type, dtype, name
+
+
+@functools.cache
+def _say_once(message: str, warn: bool) -> None:
+    """Say ``message`` once per process (rank zero): as a warning, or as information."""
+    (rank_zero_warn if warn else rank_zero_info)(message)
 
 
 def check_half_weights(
@@ -249,9 +253,13 @@ def check_fit_start(
         _check_fp16_eps(optimizers)
     # With master weights or "-true" precisions the half parameters are the plugin's own doing.
     findings = diagnostics.check_optimizer_setup(
-        model, optimizers, device_type=device, dtype=dtype, grad_scaling=grad_scaling,
+        model,
+        optimizers,
+        device_type=device,
+        dtype=dtype,
+        grad_scaling=grad_scaling,
         master_weights=weights != "fp32",
-    )  # fmt: skip
+    )
     errors = [f.message for f in findings if f.severity == "error"]
     if errors:
         raise ValueError("AMPPrecision found problems at fit start:\n- " + "\n- ".join(errors))
@@ -273,10 +281,13 @@ def _check_masters(model: nn.Module, optimizers: list[Optimizer]) -> None:
     for i, optimizer in enumerate(optimizers):
         opt = unwrap_optimizer(optimizer)
         bare = [
-            p for group in opt.param_groups for p in group["params"]
-            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)
+            p
+            for group in opt.param_groups
+            for p in group["params"]
+            if p.requires_grad
+            and p.dtype in (torch.float16, torch.bfloat16)
             and (masters is None or masters.master_of(p) is None)
-        ]  # fmt: skip
+        ]
         if bare:
             raise ValueError(
                 f"AMPPrecision(master_weights=True): optimizer {i} ({type(opt).__name__}) steps "

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -91,7 +91,7 @@ class AMPFSDPPrecision(FSDPPrecision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        Precision.pre_backward(self, tensor, module)  # the hooks get the loss as the user computed it
+        _compat.before_backward_hooks(self, tensor, module)  # the hooks see the loss as computed
         guard = self._driver.scaler  # scales for fp16; a non-finite loss makes the gradients NaN
         return tensor if guard is None else guard.scale(tensor)
 
@@ -100,7 +100,7 @@ class AMPFSDPPrecision(FSDPPrecision):
         self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
         self._driver.backward_done()
-        Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+        model.backward(tensor, *args, **kwargs)  # what Precision.backward does
 
     @override
     def optimizer_step(  # type: ignore[override]
