@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # its CUDA extensions cannot load on CPU
 
@@ -216,8 +217,18 @@ def test_bad_fp8_requests_are_refused(kwargs: dict[str, Any], error: type[Except
         AMPPrecision(**kwargs)
 
 
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true", "32-true"])
+def test_fabric_refuses_fp8_outside_bf16_mixed(precision: str) -> None:
+    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+
+    with pytest.raises(
+        ValueError, match=rf"AMPPrecision \(Fabric\)\(precision='{precision}', fp8='rowwise'\)"
+    ):
+        FabricAMPPrecision(precision, device="cpu", fp8="rowwise")
+
+
 def test_fp8_without_torchao_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_imports, "_TORCHAO", False)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` now fails
     with pytest.raises(
         ImportError, match=r"AMPPrecision\(fp8='tensorwise'\) needs torchao.*HINT: pip install"
     ):
