@@ -366,6 +366,7 @@ def convert(model: nn.Module, spec: Float8 | str = "tensorwise") -> Float8Report
     chosen = set(report.converted_names) - set(float8_layer_names(model))
     if not chosen:
         return report
+    _check_not_sharded(model, sorted(chosen))
     float8 = importlib.import_module("torchao.float8")
     config = float8.Float8LinearConfig.from_recipe_name(spec.recipe)
     if spec.all_gather:
@@ -375,6 +376,25 @@ def convert(model: nn.Module, spec: Float8 | str = "tensorwise") -> Float8Report
         for name in chosen:
             model.get_submodule(name)._register_state_dict_hook(_plain_weight)
     return report
+
+
+def _check_not_sharded(model: nn.Module, names: list[str]) -> None:
+    """Refuse layers that ``fully_shard`` already owns: FSDP2 would keep unsharding into the old module."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return
+    sharded = [n for n in names if isinstance(model.get_submodule(n).weight, dtensor.DTensor)]
+    if sharded:
+        fail(
+            "convert",
+            passed=f"a model whose Linear layers are sharded already ({', '.join(sharded[:3])}, ...)",
+            allowed="layers converted to fp8 before fully_shard (FSDP2) shards them",
+            hint=(
+                "call amp_plugin.fp8.convert(model, spec) before fully_shard; in a LightningModule's "
+                "configure_model, before its fully_shard calls, with the spec given to AMPPrecision(fp8=...) "
+                "(the plugin then finds the layers converted and only reports them)."
+            ),
+        )
 
 
 def _with_all_gather(config: Any) -> Any:

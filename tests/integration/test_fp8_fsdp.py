@@ -71,6 +71,35 @@ def _full(model: torch.nn.Module) -> list[list[float]]:
     return [plain_tensor(p.detach()).float().flatten().tolist() for p in params]
 
 
+def _convert_after_sharding() -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    before = {k: v.full_tensor().clone() for k, v in fully_shard(model).state_dict().items()}
+    try:
+        convert(model, Float8(min_features=64))
+        error = ""
+    except ValueError as err:
+        error = str(err)
+    after = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    refused_layers = len(float8_layer_names(model))
+    # The supported order (a LightningModule's configure_model): convert, shard; then the plugin's
+    # convert_module finds every chosen layer converted and only reports them.
+    torch.manual_seed(0)
+    model = TinyLM()
+    first = convert(model, Float8(min_features=64))
+    fully_shard(model)
+    again = convert(model, Float8(min_features=64))
+    return {
+        "error": error,
+        "fp8_layers": refused_layers,
+        "unchanged": unchanged,
+        "report_again": [list(first.converted_names), list(again.converted_names)],
+    }
+
+
 def _flat(params: list[list[float]]) -> torch.Tensor:
     return torch.cat([torch.tensor(p) for p in params])
 
@@ -93,6 +122,7 @@ def _worker(rank: int, store: str, out: str) -> None:
                 results[case]["state_types"] = sorted({type(v.to_local()).__name__ for v in state.values()})
             except Exception as err:  # reported, so the test can say which case does not run on CPU
                 results[case] = {"error": f"{type(err).__name__}: {err}"[:500]}
+        results["converted after sharding"] = _convert_after_sharding()
     finally:
         leave_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
@@ -121,3 +151,12 @@ def test_inf_on_one_rank_skips_on_both_and_matches_unsharded(ranks: list[dict[st
     got = _flat(ranks[0][case]["params"]) - start
     assert ranks[0][case]["params"] == ranks[1][case]["params"]
     assert (got - want).norm() <= 0.2 * want.norm(), ((got - want).norm() / want.norm()).item()
+
+
+def test_converting_a_sharded_model_is_refused_before_anything_changes(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        case = result["converted after sharding"]
+        assert "sharded already" in case["error"] and "HINT: call amp_plugin.fp8.convert" in case["error"]
+        assert case["fp8_layers"] == 0 and case["unchanged"]
+        first, again = case["report_again"]
+        assert first == again and len(first) == 7
