@@ -15,6 +15,8 @@ import os
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # inherited by the spawned ranks
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +162,20 @@ def test_converting_a_sharded_model_is_refused_before_anything_changes(ranks: li
         assert case["fp8_layers"] == 0 and case["unchanged"]
         first, again = case["report_again"]
         assert first == again and len(first) == 7
+
+
+def test_fp8_under_lightnings_model_parallel_strategy(tmp_path: Path) -> None:
+    """Converted in configure_model, then fully_shard: the plugin reports the layers; an inf skips on both."""
+    script = Path(__file__).with_name("_model_parallel_fp8_fit.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for result in ranks:
+        assert result["fp8_layers"] == 7 and len(result["reported"]) == 7
+        assert result["skipped"] == [False, False, True, False]
+        assert result["guard_skipped"] == 1
+        assert result["params_equal_across_ranks"] and result["params_finite"]
