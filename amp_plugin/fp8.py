@@ -9,8 +9,8 @@ Which layers (:func:`select_layers`), by default:
 * only ``nn.Linear`` layers whose ``in_features`` and ``out_features`` are both multiples of 16
   (what the fp8 matmul kernels accept);
 * only layers with both dimensions ``>= min_features`` (default :data:`MIN_FEATURES` = 1024):
-  below that the casts to fp8 cost more than the fp8 matmul saves (torchao's own performance
-  tables on H100 show losses for most shapes under 1024);
+  below that the casts to fp8 cost more than the fp8 matmul saves (torchao's own automatic
+  filter, tuned on H100, skips layers below about that size too);
 * never the first and the last ``nn.Linear`` of the model (in registration order: typically an
   input projection and the LM head), nor a layer whose weight is shared with another module (a
   tied embedding): these are the layers where fp8's 3-4 significant bits hurt accuracy most.
