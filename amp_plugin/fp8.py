@@ -97,7 +97,7 @@ class Float8:
     """
 
     recipe: Recipe = "tensorwise"
-    filter: LayerFilter | None = field(default=None, compare=False)
+    filter: LayerFilter | None = field(default=None, hash=False)  # names are kept as a frozenset
     min_features: int = MIN_FEATURES
     keep_ends: bool = True
     all_gather: bool = False
@@ -125,6 +125,9 @@ class Float8:
                     hint="pass e.g. filter={'blocks.0.mlp.fc1'} or filter=lambda module, name: 'mlp' in name",
                     error=TypeError,
                 )
+            object.__setattr__(
+                self, "filter", frozenset(flt)
+            )  # frozen: a caller's later edits do not leak in
 
     @classmethod
     def of(cls, value: object, call: str = "AMPPrecision") -> Float8 | None:

@@ -292,3 +292,12 @@ def test_nonfinite_tracer_names_the_fp8_layer_that_overflowed() -> None:
     record = tracer.forward_record
     assert record is not None
     assert (record.module, record.cls) == ("blocks.1.fc1", "Float8Linear")
+
+
+def test_a_name_filter_is_copied_and_compared() -> None:
+    names = ["blocks.0.fc1"]
+    spec = Float8(filter=names)
+    names.append("head")  # the caller's list changes afterwards
+    assert spec.filter == frozenset({"blocks.0.fc1"})
+    assert spec == Float8(filter={"blocks.0.fc1"}) != Float8(filter={"head"})
+    assert hash(spec) == hash(Float8())  # hashable; the filter is left out of the hash
