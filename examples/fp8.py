@@ -10,7 +10,7 @@ would keep every layer in bf16; the example lowers ``min_features`` to show fp8'
 CPU fp8 runs through ``torch._scaled_mm``'s CPU kernel and is slower than bf16: the speed-up needs
 a GPU with fp8 tensor cores (H100-class), see ``benchmarks/fp8.py``.
 
-    python examples/fp8.py                     # about 20 s on 2 CPU cores
+    python examples/fp8.py                     # about 10 s on 2 CPU cores
     python examples/fp8.py --recipe rowwise
     python examples/fp8.py --smoke             # a few steps, for the tests
 
