@@ -39,6 +39,7 @@ from amp_plugin.lightning._monitor_values import amp_metrics
 from amp_plugin.master_weights import MasterWeights
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
+from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
 from amp_plugin.step import StepDriver
@@ -141,10 +142,6 @@ class AMPPrecision(MixedPrecision):
 
     # -- dtypes: autocast, and the default dtype of the "-true" precisions -------------------------
 
-    @property
-    def _true_half(self) -> bool:
-        return self.precision in ("16-true", "bf16-true")
-
     @override
     def tensor_init_context(self) -> AbstractContextManager[None]:
         """Under "16-true"/"bf16-true", tensors made inside take the half dtype (Fabric's ``HalfPrecision``).
@@ -156,7 +153,8 @@ class AMPPrecision(MixedPrecision):
             >>> torch.get_default_dtype()
             torch.float32
         """
-        return _default_dtype(self.dtype) if self._true_half else nullcontext()
+        half = true_dtype(self.precision)
+        return nullcontext() if half is None else default_dtype(half)
 
     @override
     def module_init_context(self) -> AbstractContextManager[None]:
@@ -425,16 +423,6 @@ class AMPPrecision(MixedPrecision):
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:

@@ -9,6 +9,8 @@ Plain torch: nothing here imports Lightning, and only the device type asked abou
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal, get_args
 
 import torch
@@ -21,8 +23,10 @@ __all__ = [
     "auto_precision_reason",
     "check_device",
     "check_precision",
+    "default_dtype",
     "native_on_cpu",
     "resolve_precision",
+    "true_dtype",
 ]
 
 Precision = Literal["16-mixed", "bf16-mixed", "auto", "16-true", "bf16-true", "32-true"]
@@ -196,3 +200,35 @@ def resolve_precision(precision: str, device_type: str | torch.device) -> torch.
             hint=f"use {other}.",
         )
     return dtype
+
+
+def true_dtype(precision: str) -> torch.dtype | None:
+    """The dtype in which a "-true" precision builds and holds the weights; ``None`` for the others.
+
+    Example:
+        >>> true_dtype("bf16-true"), true_dtype("bf16-mixed")
+        (torch.bfloat16, None)
+    """
+    return _DTYPES[precision] if precision in ("16-true", "bf16-true") else None
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make ``dtype`` torch's default floating-point dtype inside the block; restore it after.
+
+    What Lightning's ``HalfPrecision`` does around module creation and forward passes, so that
+    "-true" layers are born in half precision (never an fp32 copy first).
+
+    Example:
+        >>> with default_dtype(torch.bfloat16):
+        ...     torch.ones(1).dtype
+        torch.bfloat16
+        >>> torch.get_default_dtype()
+        torch.float32
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -25,8 +25,7 @@ from torch import Tensor
 
 from amp_plugin import _scaler_rules, clipping, distributed
 from amp_plugin._validation import check_bool, check_int, check_number, fail
-from amp_plugin.distributed import GlobalNormKernels
-from amp_plugin.kernels import Backend, Kernels, get_kernels
+from amp_plugin.kernels import Backend, get_kernels
 from amp_plugin.optim import (
     GRAD_SCALER_KWARG_WARNING,
     gradients_to_unscale,
@@ -215,7 +214,7 @@ class LossScaler:
             enabled = False
         self._enabled = enabled
         self._policy = policy
-        self._kernels: Kernels | None = None
+        self._kernels: ShardAwareKernels | None = None
         self._iteration = Iteration()
         self._guard_only = _guard_only(policy)
         self._last_skipped: bool | None = None  # last_step_skipped, where update() knew it on the host
@@ -469,7 +468,15 @@ class LossScaler:
         norm_type = _scaler_rules.check_norm_type(call, norm_type)
         error_if_nonfinite = check_bool(call, "error_if_nonfinite", error_if_nonfinite)
         sharded = check_bool(call, "sharded", sharded)
-        opt = unwrap_optimizer(optimizer)
+        return self._clip_grad_norm(
+            unwrap_optimizer(optimizer), max_norm, norm_type, error_if_nonfinite, sharded
+        )
+
+    def _clip_grad_norm(
+        self, opt: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool, sharded: bool
+    ) -> Tensor:
+        """:meth:`clip_grad_norm_` on an unwrapped optimizer with checked arguments (the step driver's)."""
+        call = "LossScaler.clip_grad_norm_"
         grads = clipping.gradients(opt.param_groups)
         if sharded and has_dtensor(grads):
             fail(
@@ -481,9 +488,11 @@ class LossScaler:
                     "sharded=True is for plain tensors that hold one rank's shard (FSDP1, ZeRO)."
                 ),
             )
-        kernels = GlobalNormKernels(self._backend(), self.process_group) if sharded else None
+        kernels = self._backend()
+        if sharded:  # plain tensors holding this rank's shard: the norm is reduced over the group
+            kernels = ShardAwareKernels(kernels.inner, sharded=True, group=self.process_group)
         if not self._enabled:
-            return clipping.clip_grad_norm_(kernels or self._backend(), grads, max_norm, norm_type).total_norm
+            return clipping.clip_grad_norm_(kernels, grads, max_norm, norm_type).total_norm
         state = self._clippable_state(opt, call)
         ready = state.stage is Stage.READY
         carried = self._carried_factor(opt) if ready else state.grad_scale
@@ -491,7 +500,7 @@ class LossScaler:
         # in-place multiply is torch's own recipe, bit for bit.
         fold = carried is not None and _fused(opt)
         result = clipping.clip_grad_norm_(
-            kernels or self._backend(), grads, max_norm, norm_type,
+            kernels, grads, max_norm, norm_type,
             grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
         )  # fmt: skip
         state.merge_inf(result.found_inf, agreed=sharded)  # a global norm is agreed already
@@ -676,7 +685,7 @@ class LossScaler:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _backend(self) -> Kernels:
+    def _backend(self) -> ShardAwareKernels:
         if self._kernels is None:
             scale = self._policy.scale
             kernels = get_kernels(self._kernels_name, None if scale is None else scale.device)

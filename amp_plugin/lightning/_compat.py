@@ -21,9 +21,18 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
+from torch import Tensor
 
-__all__ = ["after_closure", "attached_trainer", "epoch_training_done", "logged_step", "should_update_logs"]
+__all__ = [
+    "after_closure",
+    "attached_trainer",
+    "before_backward_hooks",
+    "epoch_training_done",
+    "init_fsdp_precision",
+    "logged_step",
+    "should_update_logs",
+]
 
 
 def attached_trainer(module: LightningModule) -> Trainer | None:
@@ -40,7 +49,7 @@ def attached_trainer(module: LightningModule) -> Trainer | None:
 
 
 def after_closure(precision: Precision, model: LightningModule, optimizer: Any) -> None:
-    """Run Lightning's own ``Precision._after_closure``: ``on_before_optimizer_step`` hooks, then clipping.
+    """Run the plugin's ``_after_closure`` (Lightning's): ``on_before_optimizer_step`` hooks, then clipping.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -56,7 +65,16 @@ def after_closure(precision: Precision, model: LightningModule, optimizer: Any) 
         >>> after_closure(trainer.precision_plugin, model, trainer.optimizers[0])
         on_before_optimizer_step
     """
-    Precision._after_closure(precision, model, optimizer)
+    precision._after_closure(model, optimizer)
+
+
+def before_backward_hooks(precision: Precision, loss: Tensor, module: LightningModule) -> None:
+    """Run the ``on_before_backward`` hooks (callbacks, then the module) with the unscaled ``loss``.
+
+    Lightning's base ``Precision.pre_backward``, which calls its private ``call._call_*_hook``
+    helpers; ``MixedPrecision.pre_backward`` would also scale the loss with its GradScaler.
+    """
+    Precision.pre_backward(precision, loss, module)
 
 
 def should_update_logs(trainer: Trainer) -> bool:
@@ -98,3 +116,22 @@ def epoch_training_done(trainer: Trainer) -> bool:
         True
     """
     return bool(trainer.fit_loop.epoch_loop._is_training_done)
+
+
+def init_fsdp_precision(plugin: FSDPPrecision, precision: str, scaler: Any) -> None:
+    """Run ``FSDPPrecision.__init__`` on ``plugin`` and keep ``scaler`` (a ``LossScaler`` or ``None``).
+
+    Lightning 2.6's ``FSDPPrecision.__init__`` checks ``self.precision`` (still the class
+    default, ``"32-true"``) before it sets it, so it refuses any scaler, and it then stores
+    ``None`` (or a new ``ShardedGradScaler``) instead of the scaler passed. The precision is set
+    first, so the check sees the real one and no ``ShardedGradScaler`` is built; the scaler after.
+
+    Example:
+        >>> plugin = FSDPPrecision.__new__(FSDPPrecision)
+        >>> init_fsdp_precision(plugin, "16-mixed", "my scaler")
+        >>> plugin.precision, plugin.scaler
+        ('16-mixed', 'my scaler')
+    """
+    plugin.precision = precision  # type: ignore[assignment]
+    FSDPPrecision.__init__(plugin, precision, scaler=scaler)  # type: ignore[arg-type]
+    plugin.scaler = scaler

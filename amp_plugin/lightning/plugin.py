@@ -11,31 +11,29 @@ Lightning internal (``_compat``).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin import clipping, fp32_policy
+from amp_plugin import fp32_policy
 from amp_plugin.half_weights import HalfWeights
-from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
+from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning import checkpoint as checkpoints
-from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY
 from amp_plugin.master_weights import MasterWeights
 from amp_plugin.opt_levels import opt_level_arguments
-from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
+from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
-from amp_plugin.sharding import ShardAwareKernels
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -171,7 +169,9 @@ class AMPPrecision(MixedPrecision):
         if guard is None and self._guard:  # nothing to scale: a guard that only checks and skips
             guard = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
         if self._driver is None or self._driver.scaler is not guard:
-            self._driver = StepDriver(guard, None if self._half is None else self._half.before_step)
+            self._driver = StepDriver(
+                guard, None if self._half is None else self._half.before_step, self.kernels
+            )
         self.device, self.dtype = device_type, dtype
         return device_type, dtype
 
@@ -248,15 +248,28 @@ class AMPPrecision(MixedPrecision):
         return torch.autocast(device, dtype=dtype, cache_enabled=False)
 
     @override
+    def tensor_init_context(self) -> AbstractContextManager[Any]:
+        """With "-true", tensors and layers are created in the half dtype (Lightning's ``HalfPrecision``)."""
+        dtype = true_dtype(self.requested)
+        return nullcontext() if dtype is None else default_dtype(dtype)
+
+    @override
+    def module_init_context(self) -> AbstractContextManager[Any]:
+        return self.tensor_init_context()
+
+    @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Autocast for every step (training, validation, test, predict); inside it, the fp32 functions."""
-        with self.autocast_context_manager():
-            if self._fp32_mode is None or self.dtype == torch.float32:
-                yield
-                return
-            with self._fp32_mode:
-                yield
+        """Autocast for every step (training, validation, test, predict); inside it, the fp32 functions.
+
+        With "-true", tensors created in the step take the half dtype too.
+        """
+        with ExitStack() as stack:
+            stack.enter_context(self.autocast_context_manager())
+            stack.enter_context(self.tensor_init_context())
+            if self._fp32_mode is not None and self.dtype != torch.float32:
+                stack.enter_context(self._fp32_mode)
+            yield
 
     @override
     @contextmanager
@@ -275,7 +288,7 @@ class AMPPrecision(MixedPrecision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # The hooks get the loss as the user computed it; only backward sees the scaled one.
-        Precision.pre_backward(self, tensor, module)  # not MixedPrecision's: it scales for GradScaler
+        _compat.before_backward_hooks(self, tensor, module)  # the hooks see the loss as computed
         guard = self._require_driver().scaler
         return tensor if guard is None else guard.scale(tensor)
 
@@ -288,10 +301,10 @@ class AMPPrecision(MixedPrecision):
         # (automatic optimization calls backward outside it, where there is nothing to turn off).
         device = self.device or "cpu"
         if not torch.is_autocast_enabled(device):
-            Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+            model.backward(tensor, *args, **kwargs)  # what Precision.backward does
             return
         with torch.autocast(device, enabled=False):
-            Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+            model.backward(tensor, *args, **kwargs)  # what Precision.backward does
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -328,7 +341,7 @@ class AMPPrecision(MixedPrecision):
         """Between backward and step: the ``on_before_optimizer_step`` hooks, then clipping, then the norm."""
         _compat.after_closure(self, model, optimizer)  # Lightning's own order of the two
         if self._want_grad_norm and self.last_grad_norm is None:
-            self.last_grad_norm = self._grad_norm(optimizer)
+            self.last_grad_norm = self._require_driver().grad_norm(optimizer)
         self._want_grad_norm = False
 
     @property
@@ -346,55 +359,30 @@ class AMPPrecision(MixedPrecision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        entry = checkpoints.checkpoint_entry(str(self.precision), self.scaler)
-        guard = self.guard
-        if self.scaler is None and guard is not None:  # bf16/fp32: the guard's skip counts resume too
-            entry["guard"] = guard.state_dict()
-        checkpoint[CHECKPOINT_KEY] = entry
-        if self._half is not None:
-            self._half.on_save(checkpoint, entry)
+        checkpoints.save_entry(checkpoint, str(self.precision), self.scaler, self.guard, self._half)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.check_checkpoint(checkpoint)
-        if self._half is not None:
-            self._half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))
-        state = checkpoints.scaler_state(checkpoint)
-        if state is not None:
-            self.load_state_dict(state)
-        guard_state = self._guard_state(checkpoint)
-        if guard_state is not None and self.guard is not None:
-            self.guard.load_state_dict(guard_state)
-
-    def _guard_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-        """The bf16/fp32 guard's state in the checkpoint, where this run has a guard and no scaler."""
-        entry = checkpoint.get(CHECKPOINT_KEY)
-        state = entry.get("guard") if isinstance(entry, dict) and self.scaler is None else None
-        return state if isinstance(state, dict) and state else None
+        checkpoints.load_entry(checkpoint, self.scaler, self.guard, self._half)
 
     def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Raise ``ValueError`` if the checkpoint's plugin state would not load; change nothing.
 
-        Checked: the loss-scaler state, and with half-precision weights the fp32 master values
-        (shapes) and the rounding state. Lightning restores the precision plugin only after it
-        has replaced the model's weights. To refuse a corrupt checkpoint before that, call this
+        Checked: the loss-scaler (or guard) state, and with half-precision weights the fp32 master
+        values (shapes) and the rounding state. Lightning restores the precision plugin only after
+        it has replaced the model's weights. To refuse a corrupt checkpoint before that, call this
         from the LightningModule's ``on_load_checkpoint``, the one hook Lightning runs earlier::
 
             def on_load_checkpoint(self, checkpoint):
                 self.trainer.precision_plugin.check_checkpoint(checkpoint)
 
         Example:
-            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({CHECKPOINT_KEY: "garbage"})
+            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({"amp_plugin": "garbage"})
             Traceback (most recent call last):
             ...
             ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
         """
-        checkpoints.check_scaler_state(checkpoint, self.scaler)
-        guard_state = self._guard_state(checkpoint)
-        if guard_state is not None and self.guard is not None:
-            self.guard.check_state_dict(guard_state)
-        if self._half is not None:
-            self._half.check(checkpoint, checkpoint.get(CHECKPOINT_KEY))
+        checkpoints.check_entry(checkpoint, self.scaler, self.guard, self._half)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -410,15 +398,6 @@ class AMPPrecision(MixedPrecision):
         gradients, which is why it is asked for per step (e.g. on logging steps only).
         """
         self._want_grad_norm = True
-
-    def _grad_norm(self, optimizer: Any) -> Tensor:
-        if self.guard is not None:
-            return self.guard.grad_norm(optimizer)
-        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        return self._kernels_for(grads).norm(grads)
-
-    def _kernels_for(self, grads: list[Tensor]) -> Kernels:
-        return ShardAwareKernels(get_kernels(self.kernels, grads[0].device if grads else None))
 
     @override
     def clip_gradients(
@@ -437,22 +416,13 @@ class AMPPrecision(MixedPrecision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self._norm_clipped = True
-        if self.guard is not None:
-            self.last_grad_norm = self.guard.clip_grad_norm_(optimizer, float(clip_val))
-            return
-        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        self.last_grad_norm = clipping.clip_grad_norm_(
-            self._kernels_for(grads), grads, float(clip_val)
-        ).total_norm
+        self.last_grad_norm = self._require_driver().clip_grad_norm_(optimizer, float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
-            self.last_grad_norm = self._grad_norm(optimizer)
-        if self.guard is not None:
-            self.guard.clip_grad_value_(optimizer, float(clip_val))
-        else:
-            Precision.clip_grad_by_value(self, unwrap_optimizer(optimizer), clip_val)
+            self.last_grad_norm = self._require_driver().grad_norm(optimizer)
+        self._require_driver().clip_grad_value_(optimizer, float(clip_val))
 
     @property
     def guard(self) -> LossScaler | None:
