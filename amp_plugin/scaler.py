@@ -32,7 +32,7 @@ from amp_plugin.optim import (
     step_with_amp_attributes,
     takes_grad_scaler,
     unwrap_optimizer,
-)  # fmt: skip
+)
 from amp_plugin.scale_policy import DynamicScale
 from amp_plugin.sharding import ShardAwareKernels, has_dtensor
 
@@ -199,8 +199,16 @@ class LossScaler:
     ) -> None:
         device_type = _scaler_rules.check_device(device)
         enabled = check_bool("LossScaler", "enabled", enabled)
-        policy = DynamicScale(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-                              min_scale, max_scale, dynamic)  # fmt: skip
+        policy = DynamicScale(
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
+            dynamic,
+        )
         self._kernels_name = _scaler_rules.check_kernels(kernels)
         self._sync_mode = distributed.check_sync_mode(sync_found_inf)
         self.process_group = distributed.check_process_group(process_group, "LossScaler")
@@ -255,8 +263,14 @@ class LossScaler:
                 error=RuntimeError,
             )
         state = grad_scaler.state_dict()
-        scaler = cls(device, state["scale"], state["growth_factor"], state["backoff_factor"],
-                     state["growth_interval"], **options)  # fmt: skip
+        scaler = cls(
+            device,
+            state["scale"],
+            state["growth_factor"],
+            state["backoff_factor"],
+            state["growth_interval"],
+            **options,
+        )
         scaler.load_state_dict(state)
         return scaler
 
@@ -409,8 +423,14 @@ class LossScaler:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (a finite number > 1), effective from the next ``update()``."""
-        self._policy.growth_factor = check_number("LossScaler.set_growth_factor", "new_factor", new_factor,
-                                           low=1.0, low_open=True, hint="2.0 doubles the scale.")  # fmt: skip
+        self._policy.growth_factor = check_number(
+            "LossScaler.set_growth_factor",
+            "new_factor",
+            new_factor,
+            low=1.0,
+            low_open=True,
+            hint="2.0 doubles the scale.",
+        )
 
     def get_backoff_factor(self) -> float:
         """The factor the scale backs off by on overflow."""
@@ -419,9 +439,15 @@ class LossScaler:
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (in (0, 1)), effective from the next ``update()``."""
         self._policy.backoff_factor = check_number(
-            "LossScaler.set_backoff_factor", "new_factor", new_factor,
-            low=0.0, high=1.0, low_open=True, high_open=True, hint="0.5 halves the scale on overflow.",
-        )  # fmt: skip
+            "LossScaler.set_backoff_factor",
+            "new_factor",
+            new_factor,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+            hint="0.5 halves the scale on overflow.",
+        )
 
     def get_growth_interval(self) -> int:
         """Clean steps in a row before the scale grows."""
@@ -500,9 +526,14 @@ class LossScaler:
         # in-place multiply is torch's own recipe, bit for bit.
         fold = carried is not None and _fused(opt)
         result = clipping.clip_grad_norm_(
-            kernels, grads, max_norm, norm_type,
-            grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
-        )  # fmt: skip
+            kernels,
+            grads,
+            max_norm,
+            norm_type,
+            grad_scale=carried,
+            fold=fold,
+            error_if_nonfinite=error_if_nonfinite,
+        )
         state.merge_inf(result.found_inf, agreed=sharded)  # a global norm is agreed already
         state.stage, state.grad_scale = Stage.UNSCALED, result.grad_scale
         return result.total_norm
@@ -522,8 +553,9 @@ class LossScaler:
 
     def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
         """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
-        clip_value = check_number("LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0,
-                                  hint="e.g. clip_value=0.5.")  # fmt: skip
+        clip_value = check_number(
+            "LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0, hint="e.g. clip_value=0.5."
+        )
         opt = unwrap_optimizer(optimizer)
         grads = clipping.gradients(opt.param_groups)
         if self._enabled:

@@ -114,9 +114,12 @@ def load_scaler_state(scaler: LossScaler | None, state_dict: dict[str, Any]) -> 
 
 
 def save_entry(
-    checkpoint: dict[str, Any], precision: str, scaler: LossScaler | None, guard: LossScaler | None,
+    checkpoint: dict[str, Any],
+    precision: str,
+    scaler: LossScaler | None,
+    guard: LossScaler | None,
     half: HalfWeights | None,
-) -> None:  # fmt: skip
+) -> None:
     """Write the plugin's entry: precision, the scaler state (or a bf16/fp32 guard's), the half weights'."""
     entry = checkpoint_entry(precision, scaler)
     if scaler is None and guard is not None:  # bf16/fp32: the guard's skip counts resume too

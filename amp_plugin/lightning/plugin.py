@@ -28,8 +28,8 @@ from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning import checkpoint as checkpoints
+from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.master_weights import MasterWeights
-from amp_plugin.opt_levels import opt_level_arguments
 from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
@@ -147,7 +147,7 @@ class AMPPrecision(MixedPrecision):
 
         O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
         master weights, O3 pure fp16 (static loss scale 1.0, as in Apex). See
-        :mod:`amp_plugin.opt_levels` for the table and the keywords.
+        :mod:`amp_plugin.lightning.opt_levels` for the table and the keywords.
 
         Example:
             >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")
@@ -209,9 +209,13 @@ class AMPPrecision(MixedPrecision):
         device, dtype = self._settings(checks.module_device(model))
         module = checks.lightning_module(model)  # strategies hand over their wrapper (DDP, ...)
         checks.check_fit_start(
-            module, optimizers, device, dtype, grad_scaling=self.scaler is not None,
+            module,
+            optimizers,
+            device,
+            dtype,
+            grad_scaling=self.scaler is not None,
             weights="fp32" if self._half is None else "master" if self.master_weights else "half",
-        )  # fmt: skip
+        )
         if self._half is not None:
             self._half.attach(optimizers)
         if self._fp32_hooks is None and self.fp32_modules:
@@ -321,9 +325,12 @@ class AMPPrecision(MixedPrecision):
             self.last_grad_norm = None
             return closure_result
         return driver.step(
-            optimizer, lambda: self._run_hooks(model, optimizer), observe_unscaled=not self._fast_clip,
-            update=model.automatic_optimization, **kwargs,
-        )  # fmt: skip
+            optimizer,
+            lambda: self._run_hooks(model, optimizer),
+            observe_unscaled=not self._fast_clip,
+            update=model.automatic_optimization,
+            **kwargs,
+        )
 
     def _run_hooks(self, model: LightningModule, optimizer: Any) -> bool:
         """``on_before_optimizer_step`` and clipping; whether a norm clip ran (it checked the gradients)."""
