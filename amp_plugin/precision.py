@@ -23,6 +23,7 @@ __all__ = [
     "auto_precision_reason",
     "check_device",
     "check_precision",
+    "cpu_emulation_note",
     "default_dtype",
     "native_on_cpu",
     "resolve_precision",
@@ -94,10 +95,10 @@ def _auto_choice(device_type: str) -> tuple[torch.dtype, str]:
 def native_on_cpu(dtype: torch.dtype) -> bool:
     """Whether this CPU has instructions for ``dtype`` math; fp32 and fp64 always count as native.
 
-    bf16 counts where the CPU has AVX512-BF16 or AMX, fp16 where it has AMX (the CPUs with AMX
-    also have AVX512-FP16). Without them CPU autocast emulates the dtype, and a model typically
-    trains many times slower than in fp32 (measured here: 29x for the quickstart's transformer
-    on an AVX2-only AMD EPYC).
+    bf16 counts where the CPU has AVX512-BF16 or AMX, fp16 where it has AVX512-FP16 or AMX-FP16
+    (AMX tiles count too: every CPU with AMX also has AVX512-FP16). Without them CPU autocast
+    emulates the dtype, and a model typically trains many times slower than in fp32
+    (:func:`cpu_emulation_note` says so in words).
 
     Example:
         >>> native_on_cpu(torch.float32)
@@ -109,7 +110,47 @@ def native_on_cpu(dtype: torch.dtype) -> bool:
     }
     if dtype not in probes:
         return True
+    if dtype == torch.float16 and "avx512_fp16" in _cpu_flags():  # torch has no probe for it
+        return True
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes[dtype])
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:  # Linux lists the ISA extensions here; elsewhere only torch's probes answer
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+_INSTRUCTIONS = {
+    torch.bfloat16: ("bf16", "AVX512-BF16 or AMX"),
+    torch.float16: ("fp16", "AVX512-FP16 or AMX-FP16"),
+}
+
+
+def cpu_emulation_note(dtype: torch.dtype) -> str | None:
+    """Say that this CPU emulates ``dtype`` under autocast, or ``None`` where it computes in it.
+
+    The sentence names the instructions the CPU lacks (fp16 needs AVX512-FP16 or AMX-FP16, bf16
+    AVX512-BF16 or AMX) and what it costs: training typically runs many times slower than in fp32.
+    ``AMPPrecision`` says it once per process, as information when the precision was asked for
+    by name and as a warning when ``"auto"`` chose it.
+
+    Example:
+        >>> cpu_emulation_note(torch.float32) is None
+        True
+    """
+    if native_on_cpu(dtype) or dtype not in _INSTRUCTIONS:
+        return None
+    kind, needs = _INSTRUCTIONS[dtype]
+    return (
+        f"this CPU has no {kind} instructions ({needs}), so CPU autocast emulates {kind}, and "
+        "training typically runs many times slower than in fp32"
+    )
 
 
 def auto_precision_reason(device_type: str | torch.device) -> str:

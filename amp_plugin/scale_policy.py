@@ -331,4 +331,5 @@ class DynamicScale:
         # The floor changes nothing while the scale is a normal fp32 number above min_scale.
         if track_floor:
             self.floor_step.masked_fill_((scale < self.floor) & (self.floor_step < 0), self.total_steps)
-        scale.clamp_(self.floor, self.max_scale)
+        if track_floor or self.max_scale is not None:  # a clean step only grows the scale: no floor
+            scale.clamp_(self.floor, self.max_scale)

@@ -349,25 +349,38 @@ def summarize(name: str, payload: dict[str, Any]) -> Summary:
 
 def plot(bars: Bars, path: Any) -> None:
     """Write ``bars`` as a PNG (matplotlib's Agg backend: no display needed)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(bars)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def figure(bars: Bars) -> Any:
+    """The bar chart as a matplotlib figure.
+
+    The values stand in a column right of the plot and the reference line is named in the title,
+    so neither a value nor a legend can sit on the line or on a bar.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.transforms
 
-    fig, ax = plt.subplots(figsize=(7.5, 0.5 * len(bars.labels) + 1.4), dpi=100)
+    fig, ax = plt.subplots(figsize=(7.5, 0.5 * len(bars.labels) + 1.6), dpi=100)
     positions = list(range(len(bars.labels)))[::-1]
     ax.barh(positions, bars.values, color="#4c72b0")
     ax.set_yticks(positions, [label if len(label) < 48 else label[:45] + "..." for label in bars.labels])
+    column = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
     for y, value in zip(positions, bars.values, strict=True):
-        ax.annotate(
-            f"{value:.3g}", (value, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
-        )
+        ax.text(1.02, y, f"{value:.3g}", transform=column, va="center", fontsize=8)
+    title = bars.title
     if bars.line is not None:
-        ax.axvline(bars.line, color="#c44e52", linestyle="--", label=bars.line_label)
-        ax.legend(loc="best", fontsize=8)
+        ax.axvline(bars.line, color="#c44e52", linestyle="--")
+        title += f"\n(dashed red line: {bars.line_label})" if bars.line_label else ""
     ax.set_xlabel(bars.xlabel)
-    ax.set_title(bars.title, fontsize=10)
-    ax.margins(x=0.15)
+    ax.set_title(title, fontsize=10)
+    ax.margins(x=0.05)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig

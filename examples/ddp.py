@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
-from quickstart import Config, MajorityTransformer, make_dataset, quiet_lightning
+from quickstart import Config, MajorityTransformer, make_dataset, progress, quiet_lightning
 from torch.utils.data import DataLoader
 
 from amp_plugin import AMPPrecision, LossScaleMonitor
@@ -73,8 +74,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--devices", type=int, default=2, help="processes (default: 2)")
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator (default: cpu)")
-    parser.add_argument("--strategy", choices=("ddp", "ddp_spawn"), default="ddp")
-    parser.add_argument("--precision", choices=("auto", "bf16-mixed", "16-mixed"), default="auto")
+    parser.add_argument(
+        "--strategy", choices=("ddp", "ddp_spawn"), default="ddp",
+        help="ddp re-launches this script per extra process; ddp_spawn forks from it (default: ddp)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--precision", choices=("auto", "bf16-mixed", "16-mixed"), default="auto",
+        help="AMPPrecision's precision (default: auto, bf16 on CPU)",
+    )  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=60, help="optimizer steps (default: 60)")
     parser.add_argument("--smoke", action="store_true", help="a few steps of a small model, for tests")
     return parser.parse_args(argv)
@@ -86,16 +93,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.smoke:
         config, steps = Config(d_model=64, train_samples=512, val_samples=128), min(steps, 6)
     quiet_lightning()
+    # The example trains only: Lightning's note that validation_step has no val_dataloader says nothing new.
+    warnings.filterwarnings("ignore", message=".*no `val_dataloader`.*")
     seed_everything(0, verbose=False)
     torch.set_num_threads(max(1, torch.get_num_threads() // args.devices))  # processes share the cores
     model = MajorityTransformer(config, total_steps=steps)
     train = DataLoader(make_dataset(config.train_samples, seed=1), batch_size=config.batch_size, shuffle=True)
+    bar, lines = progress(every=max(1, steps // 6))
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, max_steps=steps,
-        plugins=[AMPPrecision(args.precision)], callbacks=[LossScaleMonitor(), RankSummary()],
+        plugins=[AMPPrecision(args.precision)], callbacks=[LossScaleMonitor(), RankSummary(), *lines],
         gradient_clip_val=1.0, logger=CSVLogger("runs", name="ddp"), log_every_n_steps=10,
-        enable_checkpointing=False, enable_model_summary=False,
-        enable_progress_bar=not args.smoke, limit_val_batches=0,
+        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=bar, limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(model, train)
     # Leave the process group together, while every rank is alive: a rank whose gloo group is torn

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import math
 import tempfile
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,12 +77,13 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument(
+        "--steps", type=int, default=400, help="training steps, half before the checkpoint (default: 400)"
+    )
     parser.add_argument("--smoke", action="store_true", help="60 steps, for tests")
     args = parser.parse_args(argv)
     steps = 60 if args.smoke else args.steps
     half = steps // 2
-    warnings.filterwarnings("ignore", message=".*emulates fp16.*")  # the point here is the loop, not speed
 
     fabric, precision, model, optimizer = build(init_scale=2.0**16)
     first = train(fabric, precision, model, optimizer, range(half))

@@ -12,8 +12,9 @@ A tiny MLP learns a regression whose targets are large (|y| up to ~60), trained 
 
 A timeline line is printed for every skip and every change of scale, plus a heartbeat
 every 50 steps; the summary counts what happened. Lightning's own
-``Trainer(precision="16-mixed")`` would run bf16 here without saying so (Lightning turns
-fp16 into bf16 on CPU); ``AMPPrecision`` honours fp16.
+``Trainer(precision="16-mixed")`` would run bf16 here instead (Lightning 2.6 turns fp16 into
+bf16 on CPU, with a warning); ``AMPPrecision`` honours fp16. Where the CPU has no fp16
+instructions it says so once, as information: fp16 is what this example asks for.
 
 Run::
 

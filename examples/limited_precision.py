@@ -37,7 +37,13 @@ SCALE = 4.0  # the net outputs logits / SCALE, so that <2, 14> (range [-2, 2)) c
 
 def load_digits_split(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Digits as float32 in [0, 1]: 1437 training and 360 test images, split with ``seed``."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # one line that says what to install, not a traceback
+        raise SystemExit(
+            'limited_precision.py needs scikit-learn (its digits data set): pip install -e ".[examples]" '
+            "(or pip install scikit-learn)"
+        ) from None
 
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
@@ -103,7 +109,10 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
         for name, style in (("float32", "k-"), (f"FL={fl} nearest", "r--"), (f"FL={fl} stochastic", "b-")):
             ax.plot(range(1, len(curves[name]) + 1), curves[name], style, label=name)
         ax.set(title=f"<{WORD - fl}, {fl}> fixed point", xlabel="epoch", yscale="log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        # One tick format on the log axis: plain numbers at 1-2-5 steps, no 10^k minor labels.
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend()
     axes[0].set_ylabel("test error (%)")
     fig.tight_layout()

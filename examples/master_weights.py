@@ -118,7 +118,9 @@ def train(level: str, epochs: int, batches: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a few steps only (for the tests)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (default: 1, steady on a busy machine)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     steps, epochs, batches = (20, 1, 4) if args.smoke else (200, 6, 16)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def _isolated() -> Iterator[None]:
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     environ = dict(os.environ)
     torch.manual_seed(0)
+    _forget_said_once()
     yield
     leaked = [
         f"{name} was {before}, the test left it {after}"
@@ -80,3 +82,10 @@ def _isolated() -> Iterator[None]:
             "the test (try/finally, a context manager or monkeypatch), or run the code in a subprocess.",
             pytrace=False,
         )
+
+
+def _forget_said_once() -> None:
+    # AMPPrecision says "this CPU emulates ..." once per process; each test is a process of its own.
+    checks = sys.modules.get("amp_plugin.lightning.checks")
+    if checks is not None:
+        checks._say_once.cache_clear()

@@ -81,7 +81,7 @@ def test_doctor_ops_json_holds_each_probe(capsys: pytest.CaptureFixture[str]) ->
 def test_doctor_audits_a_bad_model_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--no-measure", "--model", "tests.test_cli:bad_model"]) == 1
     out = capsys.readouterr().out
-    assert "Audit of Sequential: 1 error, 1 warning, 2 info" in out
+    assert "Audit of Sequential: 1 error, 1 warning, 2 info notes" in out
     for code in ("nonfinite-values", "fp16-overflow", "norm-eps", "tensor-core-size"):
         assert code in out
 

@@ -55,3 +55,23 @@ def test_every_cited_test_exists(page: Path) -> None:
         if not file.is_file() or name not in defined_tests(file):
             missing.append(f"{path}::{name}")
     assert not missing, f"{page.name} cites tests that do not exist: {missing}"
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| |")
+    ]
+
+
+def test_the_comparison_table_keeps_its_evidence_below_it() -> None:
+    """Test ids in a 7-column table wrap one character per line: each row's tests go in a list below."""
+    text = (ROOT / "docs" / "comparison.md").read_text()
+    rows = _table_rows(text)
+    assert len(rows) >= 10
+    assert not [row[0] for row in rows if references(" ".join(row))], "test ids in the table's cells"
+    evidence = text.partition("## The tests behind each row")[2].partition("\n## ")[0]
+    listed = re.findall(r"^- \*\*(.+?)\*\*$", evidence, re.M)
+    assert listed == [row[0] for row in rows]  # one entry per row, in the table's order
+    assert len(references(evidence)) >= len(rows)

@@ -7,8 +7,11 @@ run in order in one namespace, so a page can build on the objects its earlier bl
 model, a scaler), as a reader would. A session sees the names of the blocks before it, but
 what it defines stays in it (doctest runs it on a copy of the namespace).
 
-Every block, no-run ones included, imports the torch, Lightning and amp_plugin names it uses
-itself, so a block copied alone into a new file needs no import from another block.
+Every block, no-run ones included, imports the modules and classes it uses itself (torch,
+Lightning, amp_plugin, the standard library, and whatever an earlier block of the page imported),
+so a block copied alone into a new file needs no import from another block. A block may use the
+objects an earlier block made only on a page that says, before it, that its blocks build on each
+other.
 """
 
 from __future__ import annotations
@@ -59,52 +62,89 @@ def test_page_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def _library_names() -> set[str]:
+    import sys
+
     import lightning.pytorch
+    import lightning.pytorch.callbacks
+    import lightning.pytorch.loggers
     import lightning.pytorch.strategies
     import torch
 
     import amp_plugin
 
-    names = {"torch", "nn", "F", "np", "amp", "apex", "lightning", "amp_plugin"}
-    for module in (amp_plugin, lightning.pytorch, lightning.pytorch.strategies, torch.nn):
+    names = {"torch", "nn", "F", "np", "amp", "apex", "lightning", "amp_plugin", *sys.stdlib_module_names}
+    modules = (
+        amp_plugin,
+        lightning.pytorch,
+        lightning.pytorch.callbacks,
+        lightning.pytorch.loggers,
+        lightning.pytorch.strategies,
+        torch.nn,
+    )
+    for module in modules:
         names.update(n for n in {*dir(module), *getattr(module, "__all__", ())} if n[:1].isupper())
     return names
 
 
-def _free_names(code: str) -> set[str]:
-    """Names a block reads but neither imports, assigns nor defines (builtins aside)."""
+def _names(code: str) -> tuple[set[str], set[str], set[str]]:
+    """What a block reads but does not bind itself (builtins aside), what it imports, what else it binds."""
     if code.lstrip().startswith(">>>"):
         code = "\n".join(example.source for example in doctest.DocTestParser().get_examples(code))
     try:
         tree = ast.parse(code)
     except SyntaxError:  # an excerpt with `...` for arguments
-        return set()
-    bound = set(dir(builtins))
+        return set(), set(), set()
+    imported: set[str] = set()
+    defined: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+            imported.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            bound.add(node.name)
+            defined.add(node.name)
         elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            bound.add(node.id)
+            defined.add(node.id)
         elif isinstance(node, ast.arg):
-            bound.add(node.arg)
+            defined.add(node.arg)
         elif isinstance(node, ast.ExceptHandler) and node.name:
-            bound.add(node.name)
+            defined.add(node.name)
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    return used - bound
+    return used - imported - defined - set(dir(builtins)), imported, defined
 
 
-def test_every_block_imports_the_library_names_it_uses() -> None:
-    """Copied alone into a new file, a block needs no import from another block."""
-    library, missing = _library_names(), []
-    for page in PAGES:
-        for line, code, why in _blocks(page):
-            if why is not None and "excerpt" in why:  # a few lines of torch's or a script's code
-                continue
-            if names := sorted(_free_names(code) & library):
-                missing.append(f"{page.name}:{line}: {', '.join(names)}")
-    assert not missing, missing
+_BUILDS_ON = "build on each other"
+
+
+def _block_problems(page: Path, library: set[str]) -> list[str]:
+    """A block must import every module and class it uses itself, wherever an earlier block imported it;
+    it may use objects an earlier block made (a model, a scaler) when the page says its blocks build
+    on each other, before that block."""
+    text, problems = page.read_text(), []
+    imported_before: set[str] = set()
+    made_before: set[str] = set()
+    for line, code, why in _blocks(page):
+        free, imported, defined = _names(code)
+        if why is None or "excerpt" not in why:  # an excerpt is a few lines of torch's or a script's code
+            if names := sorted(free & (library | imported_before)):
+                problems.append(f"{page.name}:{line}: uses {', '.join(names)} without importing it")
+            reused = sorted(free & made_before - library - imported_before)
+            said = text.find(_BUILDS_ON)
+            if reused and not 0 <= said < text.index(code):
+                problems.append(
+                    f"{page.name}:{line}: uses {', '.join(reused)} from an earlier block, and the page does "
+                    f"not say (before it) that its blocks {_BUILDS_ON}"
+                )
+        imported_before |= imported
+        if not code.lstrip().startswith(">>>"):  # what a session defines stays in it
+            made_before |= defined
+    return problems
+
+
+def test_every_block_imports_the_names_it_uses() -> None:
+    """Copied alone into a new file, a block needs no import from another block; a page whose blocks
+    reuse each other's objects says so."""
+    library = _library_names()
+    problems = [problem for page in PAGES for problem in _block_problems(page, library)]
+    assert not problems, "\n".join(problems)
 
 
 def _run_doctest(code: str, namespace: dict[str, object], where: str) -> None:

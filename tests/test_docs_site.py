@@ -52,6 +52,12 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     # Sphinx roles become links to the objects' entries
     assert ":class:" not in scaler and ":func:" not in scaler
     assert 'class="autorefs autorefs-internal"' in scaler
+    # Mermaid comes with the site: Material fetches it from a CDN only where no global `mermaid` exists
+    diagram = (tmp_path / "how_amp_works" / "index.html").read_text()
+    assert '<pre class="mermaid">' in diagram
+    assert re.search(r'<script src="\.\./js/mermaid\.min\.js"></script>', diagram)
+    assert (tmp_path / "js" / "mermaid.min.js").stat().st_size > 1_000_000
+    assert "MIT License" in (tmp_path / "js" / "mermaid.LICENSE").read_text()
 
 
 def test_every_docs_page_is_in_the_nav() -> None:

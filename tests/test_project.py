@@ -39,6 +39,10 @@ def test_readme_test_command_runs_the_tests_at_default_threads_and_at_one() -> N
 def test_changelog_follows_keep_a_changelog() -> None:
     text = (ROOT / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in text and "### Added" in text
+    for release in re.split(r"^## ", text, flags=re.M)[1:]:
+        headings = re.findall(r"^### (.+)$", release, re.M)
+        repeated = sorted({h for h in headings if headings.count(h) > 1})
+        assert not repeated, f"release {release.splitlines()[0]!r} has more than one ### {repeated}"
 
 
 def test_examples_readme_lists_every_example() -> None:

@@ -98,7 +98,8 @@ class AuditReport:
         ``width`` (an int >= 20) is the column at which messages wrap.
         """
         check_int("AuditReport.format", "width", width, low=20, hint="100 columns suits a terminal.")
-        counts = ", ".join(f"{n} {s}" for s, n in self.counts().items())
+        nouns = {"error": "error", "warning": "warning", "info": "info note"}
+        counts = ", ".join(f"{n} {nouns[s]}{'' if n == 1 else 's'}" for s, n in self.counts().items())
         lines = [f"Audit of {self.model}: {counts}"]
         if not self.findings:
             return lines[0] + "\nNo fp16 hazards found."

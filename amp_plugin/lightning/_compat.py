@@ -18,6 +18,7 @@ upgrade that renames one fails there rather than in a user's run. Also relied up
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -28,6 +29,7 @@ __all__ = [
     "after_closure",
     "attached_trainer",
     "before_backward_hooks",
+    "called_by_fabric",
     "epoch_training_done",
     "init_fsdp_precision",
     "logged_step",
@@ -75,6 +77,21 @@ def before_backward_hooks(precision: Precision, loss: Tensor, module: LightningM
     helpers; ``MixedPrecision.pre_backward`` would also scale the loss with its GradScaler.
     """
     Precision.pre_backward(precision, loss, module)
+
+
+def called_by_fabric() -> bool:
+    """Whether the caller's caller is Lightning Fabric's own code (``Fabric.setup`` and the like).
+
+    Reads the calling frame's module name (``lightning.fabric...`` or ``lightning_fabric...``): a
+    Trainer precision plugin handed to ``Fabric(plugins=...)`` can refuse at ``setup`` while a
+    direct call (a test, a script) still works.
+
+    Example:
+        >>> called_by_fabric()
+        False
+    """
+    name = str(sys._getframe(2).f_globals.get("__name__", ""))
+    return name.startswith(("lightning.fabric", "lightning_fabric"))
 
 
 def should_update_logs(trainer: Trainer) -> bool:

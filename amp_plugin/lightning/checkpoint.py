@@ -120,7 +120,14 @@ def save_entry(
     guard: LossScaler | None,
     half: HalfWeights | None,
 ) -> None:
-    """Write the plugin's entry: precision, the scaler state (or a bf16/fp32 guard's), the half weights'."""
+    """Write the plugin's entry: precision, the scaler state (or a bf16/fp32 guard's), the half weights'.
+
+    Example:
+        >>> checkpoint = {}
+        >>> save_entry(checkpoint, "bf16-mixed", None, LossScaler("cpu", init_scale=1.0, dynamic=False), None)
+        >>> sorted(checkpoint[CHECKPOINT_KEY])
+        ['guard', 'precision', 'scaler']
+    """
     entry = checkpoint_entry(precision, scaler)
     if scaler is None and guard is not None:  # bf16/fp32: the guard's skip counts resume too
         entry["guard"] = guard.state_dict()
@@ -132,7 +139,14 @@ def save_entry(
 def check_entry(
     checkpoint: dict[str, Any], scaler: LossScaler | None, guard: LossScaler | None, half: HalfWeights | None
 ) -> None:
-    """Raise ``ValueError`` if any part of the plugin's entry would not load; change nothing."""
+    """Raise ``ValueError`` if any part of the plugin's entry would not load; change nothing.
+
+    Example:
+        >>> check_entry({CHECKPOINT_KEY: {"scaler": 3}}, LossScaler("cpu"), None, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: The checkpoint's 'amp_plugin' entry is dict ...; ... HINT: ...
+    """
     check_scaler_state(checkpoint, scaler)
     guard_state = _guard_state(checkpoint, scaler, guard)
     if guard_state is not None and guard is not None:
@@ -144,7 +158,16 @@ def check_entry(
 def load_entry(
     checkpoint: dict[str, Any], scaler: LossScaler | None, guard: LossScaler | None, half: HalfWeights | None
 ) -> None:
-    """Check the whole entry (:func:`check_entry`), then load the half weights', the scaler's, the guard's."""
+    """Check the whole entry (:func:`check_entry`), then load the half weights', the scaler's, the guard's.
+
+    Example:
+        >>> scaler = LossScaler("cpu")
+        >>> checkpoint = {}
+        >>> save_entry(checkpoint, "16-mixed", LossScaler("cpu", init_scale=8.0), None, None)
+        >>> load_entry(checkpoint, scaler, scaler, None)
+        >>> scaler.get_scale()
+        8.0
+    """
     check_entry(checkpoint, scaler, guard, half)
     if half is not None:
         half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))

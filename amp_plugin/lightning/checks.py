@@ -7,6 +7,8 @@ strategy's wrapper, and whether any hook can look at the gradients between backw
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
@@ -127,15 +129,17 @@ def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, 
     if requested == "auto":
         name = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
         rank_zero_info(f"AMPPrecision('auto') chose {name}: {precisions.auto_precision_reason(device_type)}")
-    if device_type == "cpu" and dtype != torch.float32 and not precisions.native_on_cpu(dtype):
-        kind = "bf16" if dtype == torch.bfloat16 else "fp16"
-        rank_zero_warn(
-            f"AMPPrecision({name!r}): this CPU has no {kind} instructions (AVX512-BF16 or "
-            f"AMX), so CPU autocast emulates {kind}, and training typically runs many times slower than "
-            "in fp32. HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU "
-            "with AMX."
-        )
+    note = precisions.cpu_emulation_note(dtype) if device_type == "cpu" else None
+    if note is not None:  # a warning where "auto" chose it; information where it was asked for by name
+        hint = "train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU with AMX."
+        _say_once(f"AMPPrecision({name!r}): {note}. HINT: {hint}", warn=requested == "auto")
     return device_type, dtype, name
+
+
+@functools.cache
+def _say_once(message: str, warn: bool) -> None:
+    """Say ``message`` once per process (rank zero): as a warning, or as information."""
+    (rank_zero_warn if warn else rank_zero_info)(message)
 
 
 def check_half_weights(

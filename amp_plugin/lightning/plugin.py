@@ -188,11 +188,12 @@ class AMPPrecision(MixedPrecision):
         Strategies call this before moving the model, wrapping it (DDP) and building its
         optimizers; so the masters are made from the original fp32 values.
         """
-        trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
-        if trainer is None:  # only Fabric's setup hands over a model that no Trainer holds
+        if _compat.called_by_fabric():  # Fabric's setup: the wrong one of the two AMPPrecision classes
             raise TypeError(_IN_FABRIC.format(self=self))
         if self._half is not None:
-            self._half.convert(module, self._settings(trainer.strategy.root_device)[1], self.fp32_modules)
+            trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
+            device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
+            self._half.convert(module, self._settings(device)[1], self.fp32_modules)
         return module
 
     @override

@@ -92,7 +92,7 @@ def test_audit_claims_hold_numerically() -> None:
 def test_audit_report_table_and_json() -> None:
     report = audit_model(BadModel())
     table = report.format()
-    assert table.splitlines()[0] == "Audit of BadModel: 1 error, 5 warning, 3 info"
+    assert table.splitlines()[0] == "Audit of BadModel: 1 error, 5 warnings, 3 info notes"
     assert "SEVERITY" in table and "nonfinite-values" in table and "HINT" in table
     data = json.loads(json.dumps(report.to_dict()))
     assert data["ok"] is False and data["model"] == "BadModel"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Any
 
@@ -12,6 +13,10 @@ from amp_plugin import _imports
 from amp_plugin.diagnostics.device_report import device_report, format_device_report
 from amp_plugin.precision import resolve_precision
 
+_MODULE = importlib.import_module(
+    "amp_plugin.diagnostics.device_report"
+)  # the package re-exports a function of that name
+
 
 def test_device_report_without_measurement() -> None:
     report = device_report(measure=False)
@@ -21,6 +26,10 @@ def test_device_report_without_measurement() -> None:
         "cuda",
         "apex",
         "throughput_tflops",
+        "throughput_spread",
+        "matmul_setup",
+        "small_matmul",
+        "notes",
         "recommended_precision",
         "reason",
     }
@@ -43,7 +52,55 @@ def test_device_report_measures_matmul_throughput_within_budget() -> None:
     assert set(rates) == {"float32", "bfloat16", "float16"}
     assert rates["float32"] > 0
     text = format_device_report(report)
-    assert "matmul       cpu: float32" in text and "TFLOP/s" in text
+    assert "matmul       cpu, 256x256, 1 thread, median (min-max) of 5 runs: float32" in text
+    assert "TFLOP/s" in text
+
+
+def test_the_matmul_timings_run_on_one_thread_and_report_their_spread() -> None:
+    threads = torch.get_num_threads()
+    report = device_report(budget_s=0.02)
+    assert torch.get_num_threads() == threads  # restored
+    assert (
+        report["matmul_setup"] == {"sizes": {"cpu": 256}, "runs": 5, "cpu_threads": 1}
+        or torch.cuda.is_available()
+    )
+    for dtype, median in report["throughput_tflops"]["cpu"].items():
+        if median is not None:
+            low, high = report["throughput_spread"]["cpu"][dtype]
+            assert low <= median <= high
+    assert report["small_matmul"]["size"] == 64 and report["small_matmul"]["float32"] > 0
+    json.dumps(report)
+
+
+def _timed(monkeypatch: pytest.MonkeyPatch, rates: dict[tuple[int, str], float]) -> str:
+    """The doctor's text where each (matmul side, dtype) ran at the given TFLOP/s."""
+
+    def runs(device: torch.device, dtype: torch.dtype, n: int, budget_s: float) -> list[float]:
+        rate = rates[n, str(dtype).removeprefix("torch.")]
+        return [rate * 0.9, rate, rate * 1.1]
+
+    monkeypatch.setattr(_MODULE, "_matmul_runs", runs)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    return format_device_report(device_report())
+
+
+def test_fp16_far_slower_than_bf16_reads_native_fp16_no_and_small_bf16_slower_than_fp32_is_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_MODULE, "native_on_cpu", lambda dtype: True)
+    text = _timed(monkeypatch, {(256, "float32"): 0.08, (256, "bfloat16"): 0.37, (256, "float16"): 0.003,
+                                (64, "float32"): 0.05, (64, "bfloat16"): 0.025})  # fmt: skip
+    assert "native fp16: no" in text.splitlines()[2]
+    assert "note         native fp16: no. fp16 matmuls ran 123x slower than bf16 here" in text
+    assert "small models are slower in bf16 on this CPU: a 64x64 matmul ran at 0.50x fp32 in bf16" in text
+    assert "float32 0.08 (0.072-0.088)" in text
+
+
+def test_a_cpu_with_fast_fp16_and_bf16_gets_no_notes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_MODULE, "native_on_cpu", lambda dtype: True)
+    text = _timed(monkeypatch, {(256, "float32"): 0.2, (256, "bfloat16"): 0.8, (256, "float16"): 0.7,
+                                (64, "float32"): 0.05, (64, "bfloat16"): 0.1})  # fmt: skip
+    assert "native fp16: yes" in text and "note " not in text
 
 
 def test_format_device_report_names_the_recommendation() -> None:

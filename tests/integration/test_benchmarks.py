@@ -107,3 +107,44 @@ def test_report_lists_a_failing_benchmark_and_exits_1(
     report = (tmp_path / "benchmarks.md").read_text()
     assert "**Failed**: numerics_speed.py" in report
     assert "exit code 2" in report
+
+
+def _load_tables() -> ModuleType:
+    sys.path.insert(0, str(BENCHMARKS))  # report.py imports it as a sibling module
+    try:
+        spec = importlib.util.spec_from_file_location("_report_tables", BENCHMARKS / "_report_tables.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up there
+        spec.loader.exec_module(sys.modules[spec.name])
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return sys.modules["_report_tables"]
+
+
+def test_report_bar_values_and_the_target_line_never_overlap() -> None:
+    """Values right at the target (0.959 next to a line at 0.98) used to be printed across it."""
+    import matplotlib.pyplot as plt
+
+    tables = _load_tables()
+    bars = tables.Bars(
+        title="AMPPrecision vs MixedPrecision", xlabel="samples/s ratio",
+        labels=["bf16 (transformer)", "bf16 (mlp)", "fp16 (tiny)", "fp16 (tiny-hooks)"],
+        values=[1.0, 1.01, 0.959, 0.935], line=0.98, line_label="target 0.98",
+    )  # fmt: skip
+    fig = tables.figure(bars)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        line_x = ax.transData.transform((0.98, 0))[0]
+        boxes = [t.get_window_extent(renderer) for t in ax.texts]
+        assert len(boxes) == 4
+        assert all(not box.x0 <= line_x <= box.x1 for box in boxes)
+        bar_boxes = [patch.get_window_extent(renderer) for patch in ax.patches]
+        assert not any(box.overlaps(bar) for box in boxes for bar in bar_boxes)
+        legend = ax.get_legend()
+        assert legend is None or not any(legend.get_window_extent(renderer).overlaps(b) for b in bar_boxes)
+        assert "target 0.98" in ax.get_title()
+    finally:
+        plt.close(fig)

@@ -55,6 +55,9 @@ def test_quickstart_auto_picks_bf16_on_cpu(tmp_path: Path) -> None:
     # Even 12 steps of the small smoke model beat chance (12.5%) by a margin.
     assert float(_summary_value(out, "val accuracy").split("%")[0]) > 25
     assert (tmp_path / "runs" / "quickstart" / "version_0" / "metrics.csv").is_file()
+    # Not a terminal (a pipe here, a log file or CI elsewhere): plain lines, no progress-bar redraws.
+    assert "\r" not in out
+    assert "step 6/12: loss " in out and "step 12/12: loss " in out
 
 
 def test_quickstart_pins_its_threads_and_compares_with_fp32(tmp_path: Path) -> None:
@@ -92,6 +95,8 @@ def test_ddp_example_ranks_agree(tmp_path: Path) -> None:
     assert "precision     16-mixed on 2 x cpu" in out
     assert "ranks agree" in out
     assert "loss scaler   scale" in out
+    assert "val_dataloader" not in out  # the example trains only; Lightning's note would say nothing new
+    assert "\r" not in out
 
 
 def test_master_weights_example_shows_the_weight_backup_effect_and_the_opt_levels(tmp_path: Path) -> None:
@@ -117,9 +122,70 @@ def test_limited_precision_example_prints_the_table_and_writes_the_plot(tmp_path
     assert all(0 <= float(r[-2]) <= 100 for r in rows)
     assert "plot written to runs/limited_precision.png" in out
     assert (tmp_path / "runs" / "limited_precision.png").stat().st_size > 1000
+
+
 def test_fabric_example_skips_clips_and_resumes_bit_exactly(tmp_path: Path) -> None:
     out = _run("fabric.py", cwd=tmp_path)
     assert _summary_value(out, "precision").startswith("16-mixed (torch.float16) with LossScaler")
     assert 0 in ast.literal_eval(_summary_value(out, "skipped steps").partition("at steps ")[2])  # warm-up
     assert "(unscaled, clipped to 5.0)" in _summary_value(out, "grad norm")
     assert _summary_value(out, "resume") == "bit-exact"
+
+
+def _argument_calls(tree: ast.AST) -> list[ast.Call]:
+    """``parser.add_argument(...)`` calls, and calls of an alias of it (``add = parser.add_argument``)."""
+    aliases = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "add_argument"
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument")
+            or (isinstance(node.func, ast.Name) and node.func.id in aliases)
+        )
+    ]
+
+
+def test_every_example_argument_has_a_help_text() -> None:
+    missing = []
+    for script in sorted(EXAMPLES.glob("*.py")):
+        calls = _argument_calls(ast.parse(script.read_text()))
+        assert calls, f"{script.name} has no command-line arguments"
+        for call in calls:
+            if not any(k.arg == "help" for k in call.keywords):
+                missing.append(f"{script.name} {ast.literal_eval(call.args[0])}")
+    assert not missing, f"arguments without --help text: {missing}"
+
+
+def test_every_example_pins_one_thread_by_default() -> None:
+    for script in sorted(EXAMPLES.glob("*.py")):
+        for call in _argument_calls(ast.parse(script.read_text())):
+            if call.args and ast.literal_eval(call.args[0]) == "--threads":
+                default = next(k.value for k in call.keywords if k.arg == "default")
+                assert ast.literal_eval(default) == 1, script.name
+
+
+def test_limited_precision_without_scikit_learn_says_what_to_install(tmp_path: Path) -> None:
+    # A `sklearn` that fails to import, first on the path: as on a machine without scikit-learn.
+    (tmp_path / "sklearn").mkdir()
+    (tmp_path / "sklearn" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'sklearn'\")\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "limited_precision.py"), "--smoke"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        'limited_precision.py needs scikit-learn (its digits data set): pip install -e ".[examples]" '
+        "(or pip install scikit-learn)"
+    ]

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, Precision
 from torch import nn
@@ -53,6 +54,7 @@ PINNED = [
     "after_closure",
     "attached_trainer",
     "before_backward_hooks",
+    "called_by_fabric",
     "epoch_training_done",
     "init_fsdp_precision",
     "logged_step",
@@ -108,6 +110,9 @@ def test_lightning_internals_we_read_still_exist() -> None:
     loss = torch.tensor(3.0)
     _compat.before_backward_hooks(trainer.precision_plugin, loss, module)
     assert seen[-1] is loss
+    # Fabric.setup calls the plugin's convert_module from lightning.fabric's own module.
+    assert not _compat.called_by_fabric()
+    assert "self._precision.convert_module(" in inspect.getsource(Fabric.setup)
     # FSDPPrecision.__init__ reads self.precision before it sets it: with the class default it
     # refuses any scaler; set first, the scaler passed is kept and no ShardedGradScaler is built.
     with pytest.raises(ValueError, match="does not use a scaler"):

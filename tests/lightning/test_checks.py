@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -10,7 +11,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
+from amp_plugin import AMPPrecision
+from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
 from amp_plugin.lightning import checks
+from amp_plugin.precision import cpu_emulation_note
 
 
 def _trainer(*callbacks: Callback) -> Trainer:
@@ -110,3 +114,43 @@ def test_fit_start_with_half_weights_refuses_an_eps_fp16_rounds_to_zero() -> Non
     opts = [torch.optim.AdamW(model.parameters())]
     with pytest.raises(ValueError, match=r"AdamW\(eps=1e-08\).*HINT"):
         checks.check_fit_start(model, opts, "cpu", torch.float16, True, "half")
+
+
+def _emulating(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("amp_plugin.precision.native_on_cpu", lambda dtype: dtype == torch.float32)
+
+
+def test_the_emulation_note_names_the_instructions_each_dtype_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    _emulating(monkeypatch)
+    fp16, bf16 = cpu_emulation_note(torch.float16), cpu_emulation_note(torch.bfloat16)
+    assert fp16 is not None and "no fp16 instructions (AVX512-FP16 or AMX-FP16)" in fp16
+    assert bf16 is not None and "no bf16 instructions (AVX512-BF16 or AMX)" in bf16
+    monkeypatch.setattr("amp_plugin.precision.native_on_cpu", lambda dtype: True)
+    assert cpu_emulation_note(torch.float16) is None
+
+
+def test_an_emulated_precision_is_said_once_per_process(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The quickstart builds three plugins (its run and the fp32 comparison): one message, not three."""
+    _emulating(monkeypatch)
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for plugin in (AMPPrecision, AMPPrecision, FabricAMPPrecision):
+            plugin("16-mixed", device="cpu")
+    assert caplog.text.count("emulates fp16") == 1
+    assert not [w for w in caught if "emulates" in str(w.message)]
+
+
+def test_an_emulated_precision_asked_for_by_name_is_information_and_auto_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _emulating(monkeypatch)
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AMPPrecision("bf16-mixed", device="cpu")
+    assert "AMPPrecision('bf16-mixed'): this CPU has no bf16 instructions" in caplog.text
+    assert not [w for w in caught if "emulates" in str(w.message)]
+    said = r"AMPPrecision\('bf16-mixed'\): this CPU has no bf16 .* HINT: train in fp32"
+    with pytest.warns(UserWarning, match=said):
+        AMPPrecision("auto", device="cpu")

@@ -261,3 +261,11 @@ def test_the_default_dtype_is_restored_after_an_error_in_forward() -> None:
     with pytest.raises(KeyError), plugin.forward_context():
         raise KeyError
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_convert_module_casts_a_plain_module_as_halfprecision(precision: str, dtype: torch.dtype) -> None:
+    """Called directly (no Trainer, no Fabric), as HalfPrecision.convert_module is in Lightning's tests."""
+    module = nn.Linear(2, 2)
+    converted = AMPPrecision(precision).convert_module(module)  # type: ignore[arg-type]
+    assert converted.weight.dtype == converted.bias.dtype == dtype
