@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
@@ -91,7 +91,7 @@ class RoundedUpdates:
         self.optimizer = opt
         self._generators: dict[torch.device, torch.Generator] = {}
         # (parameter, its fp32 stand-in, the param list holding it, its index there, its state keys before)
-        self._pending: list[tuple[Tensor, nn.Parameter, list[Tensor], int, set[str]]] = []
+        self._pending: list[tuple[Tensor, Tensor, list[Tensor], int, set[str]]] = []
         self._handles: list[RemovableHandle] = []
         if self.rounding != "nearest":
             self._handles = [
@@ -128,7 +128,7 @@ class RoundedUpdates:
                 if p.grad is None or p.dtype not in _HALF:
                     continue
                 state = opt_state.pop(p, {})
-                wide = nn.Parameter(p.detach().float())
+                wide = p.detach().float()
                 if self.rounding == "kahan" and KAHAN_KEY in state:
                     wide.add_(state[KAHAN_KEY])
                 if state:  # the half gradient as it is: the state it meets is half already
