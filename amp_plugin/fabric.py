@@ -36,6 +36,7 @@ from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import checks
 from amp_plugin.lightning._monitor_values import amp_metrics
+from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.master_weights import MasterWeights
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
@@ -132,6 +133,21 @@ class AMPPrecision(MixedPrecision):
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
         self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
         self._attached: set[int] = set()  # id() of the optimizers checked and handed to the half weights
+
+    @classmethod
+    def from_opt_level(cls, level: Literal["O0", "O1", "O2", "O3"], **overrides: Any) -> AMPPrecision:
+        """The plugin for Apex opt level ``level``, as the Trainer's ``AMPPrecision.from_opt_level``.
+
+        O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
+        master weights, O3 pure fp16 (static loss scale 1.0, as in Apex); ``overrides`` take Apex's
+        or this class's keywords (see :mod:`amp_plugin.lightning.opt_levels`).
+
+        Example:
+            >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")
+            >>> plugin.precision, plugin.master_weights
+            ('16-mixed', True)
+        """
+        return cls(**opt_level_arguments(level, **overrides))
 
     def __repr__(self) -> str:
         return f"amp_plugin.fabric.AMPPrecision({self.requested!r})"
@@ -243,8 +259,11 @@ class AMPPrecision(MixedPrecision):
 
     def _refuse_early_state(self, opt: Optimizer) -> None:
         masters = self.masters
-        if masters is None or not any(masters.master_of(p) is not None and p in opt.state
-                                      for group in opt.param_groups for p in group["params"]):  # fmt: skip
+        if masters is None or not any(
+            masters.master_of(p) is not None and p in opt.state
+            for group in opt.param_groups
+            for p in group["params"]
+        ):
             return
         fail(
             "AMPPrecision(master_weights=True).attach",

@@ -43,8 +43,14 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)
 
 
-def _train(fabric: Fabric, model: Any, opt: Any, steps: range, max_norm: float | None = None,
-           poison: tuple[int, ...] = ()) -> list[torch.Tensor]:  # fmt: skip
+def _train(
+    fabric: Fabric,
+    model: Any,
+    opt: Any,
+    steps: range,
+    max_norm: float | None = None,
+    poison: tuple[int, ...] = (),
+) -> list[torch.Tensor]:
     norms = []
     for step in steps:
         x, y = _batch(step)
