@@ -260,10 +260,14 @@ class AMPPrecision(MixedPrecision):
     def _refuse_early_state(self, opt: Optimizer) -> None:
         masters = self.masters
         if masters is None or not any(
-            masters.master_of(p) is not None and p in opt.state
+            masters.master_of(p) is not None
+            and any(
+                isinstance(v, Tensor) and v.dim() > 0 and v.dtype == p.dtype for v in opt.state[p].values()
+            )
             for group in opt.param_groups
             for p in group["params"]
-        ):
+            if p in opt.state
+        ):  # state in fp32 (handed back by teardown) goes to the masters as it is
             return
         fail(
             "AMPPrecision(master_weights=True).attach",

@@ -277,6 +277,19 @@ def test_16_true_refuses_an_eps_that_rounds_to_zero_before_the_first_step() -> N
     _assert_same(before, _snapshot(model, opt))
 
 
+def test_training_continues_from_the_masters_after_teardown() -> None:
+    plugin = AMPPrecision("bf16-mixed", master_weights=True, device="cpu")
+    fabric, model, opt = _setup(plugin)
+    _train(fabric, model, opt, epochs=1)
+    masters = [m.detach().clone() for m in plugin.masters.masters()]
+    plugin.teardown()  # what fabric.strategy.teardown() calls: the optimizer holds the half weights again
+    assert {p.dtype for g in opt.param_groups for p in g["params"]} == {torch.bfloat16, torch.float32}
+    fabric.backward(model(_batches()[0][0]).float().pow(2).mean())
+    opt.step()  # attached again: its fp32 state goes back to the masters, which step on
+    assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+    assert not torch.equal(next(plugin.masters.masters()), masters[0])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
