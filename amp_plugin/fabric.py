@@ -34,7 +34,7 @@ from amp_plugin import fp32_policy
 from amp_plugin._validation import fail
 from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
-from amp_plugin.lightning import checks
+from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning._monitor_values import amp_metrics
 from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.master_weights import MasterWeights
@@ -119,7 +119,8 @@ class AMPPrecision(MixedPrecision):
             scaler = LossScaler(kernels=self.kernels)
         # What Fabric's MixedPrecision sets up (its ThroughputMonitor reads the input dtype).
         self.precision = name  # type: ignore[assignment]  # resolve_settings returns a precision name
-        self.device, self.scaler, self._desired_input_dtype = device_type, scaler, dtype
+        self.device, self.scaler = device_type, scaler
+        _compat.set_fabric_input_dtype(self, dtype)  # what Fabric's ThroughputMonitor reads
         self.requested, self.dtype = precision, dtype
         self.master_weights, self.rounding, self.lr_on_skip = master_weights, rounding, lr_on_skip
         self._half = (
