@@ -37,11 +37,13 @@ from amp_plugin._validation import fail
 from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
 from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
-from amp_plugin.lightning import checks
+from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning._monitor_values import amp_metrics
+from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.master_weights import MasterWeights
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
+from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
 from amp_plugin.step import StepDriver
@@ -126,7 +128,8 @@ class AMPPrecision(MixedPrecision):
             scaler = LossScaler(kernels=self.kernels)
         # What Fabric's MixedPrecision sets up (its ThroughputMonitor reads the input dtype).
         self.precision = name  # type: ignore[assignment]  # resolve_settings returns a precision name
-        self.device, self.scaler, self._desired_input_dtype = device_type, scaler, dtype
+        self.device, self.scaler = device_type, scaler
+        _compat.set_fabric_input_dtype(self, dtype)  # what Fabric's ThroughputMonitor reads
         self.requested, self.dtype = precision, dtype
         self.master_weights, self.rounding, self.lr_on_skip = master_weights, rounding, lr_on_skip
         self._half = (
@@ -141,6 +144,21 @@ class AMPPrecision(MixedPrecision):
         self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
         self._attached: set[int] = set()  # id() of the optimizers checked and handed to the half weights
 
+    @classmethod
+    def from_opt_level(cls, level: Literal["O0", "O1", "O2", "O3"], **overrides: Any) -> AMPPrecision:
+        """The plugin for Apex opt level ``level``, as the Trainer's ``AMPPrecision.from_opt_level``.
+
+        O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
+        master weights, O3 pure fp16 (static loss scale 1.0, as in Apex); ``overrides`` take Apex's
+        or this class's keywords (see :mod:`amp_plugin.lightning.opt_levels`).
+
+        Example:
+            >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")
+            >>> plugin.precision, plugin.master_weights
+            ('16-mixed', True)
+        """
+        return cls(**opt_level_arguments(level, **overrides))
+
     def __repr__(self) -> str:
         return f"amp_plugin.fabric.AMPPrecision({self.requested!r})"
 
@@ -149,10 +167,6 @@ class AMPPrecision(MixedPrecision):
         return f"{self!r} (Lightning Fabric's plugin; Trainer(plugins=[...]) takes amp_plugin.AMPPrecision)"
 
     # -- dtypes: autocast, and the default dtype of the "-true" precisions -------------------------
-
-    @property
-    def _true_half(self) -> bool:
-        return self.precision in ("16-true", "bf16-true")
 
     @override
     def tensor_init_context(self) -> AbstractContextManager[None]:
@@ -165,7 +179,8 @@ class AMPPrecision(MixedPrecision):
             >>> torch.get_default_dtype()
             torch.float32
         """
-        return _default_dtype(self.dtype) if self._true_half else nullcontext()
+        half = true_dtype(self.precision)
+        return nullcontext() if half is None else default_dtype(half)
 
     @override
     def module_init_context(self) -> AbstractContextManager[None]:
@@ -257,8 +272,15 @@ class AMPPrecision(MixedPrecision):
 
     def _refuse_early_state(self, opt: Optimizer) -> None:
         masters = self.masters
-        if masters is None or not any(masters.master_of(p) is not None and p in opt.state
-                                      for group in opt.param_groups for p in group["params"]):  # fmt: skip
+        if masters is None or not any(
+            masters.master_of(p) is not None
+            and any(
+                isinstance(v, Tensor) and v.dim() > 0 and v.dtype == p.dtype for v in opt.state[p].values()
+            )
+            for group in opt.param_groups
+            for p in group["params"]
+            if p in opt.state
+        ):  # state in fp32 (handed back by teardown) goes to the masters as it is
             return
         fail(
             "AMPPrecision(master_weights=True).attach",
@@ -437,16 +459,6 @@ class AMPPrecision(MixedPrecision):
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from torch import Tensor
@@ -33,6 +34,7 @@ __all__ = [
     "epoch_training_done",
     "init_fsdp_precision",
     "logged_step",
+    "set_fabric_input_dtype",
     "should_update_logs",
 ]
 
@@ -92,6 +94,23 @@ def called_by_fabric() -> bool:
     """
     name = str(sys._getframe(2).f_globals.get("__name__", ""))
     return name.startswith(("lightning.fabric", "lightning_fabric"))
+
+
+def set_fabric_input_dtype(plugin: Any, dtype: torch.dtype) -> None:
+    """Set what Fabric's ``MixedPrecision.__init__`` sets as ``_desired_input_dtype``.
+
+    Fabric's throughput utilities (``_plugin_to_compute_dtype``, behind ``ThroughputMonitor``'s
+    FLOPs) read it from any ``MixedPrecision``; ``amp_plugin.fabric.AMPPrecision`` does not run
+    that ``__init__`` (it takes only the "-mixed" strings and builds a torch GradScaler).
+
+    Example:
+        >>> from lightning.fabric.plugins import MixedPrecision
+        >>> plugin = MixedPrecision("bf16-mixed", "cpu")
+        >>> set_fabric_input_dtype(plugin, torch.float16)
+        >>> plugin._desired_input_dtype
+        torch.float16
+    """
+    plugin._desired_input_dtype = dtype
 
 
 def should_update_logs(trainer: Trainer) -> bool:

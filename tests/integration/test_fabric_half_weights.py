@@ -43,8 +43,9 @@ def _setup(
     return (fabric, *fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, fused=fused)))
 
 
-def _train(fabric: Fabric, model: Any, opt: Any, epochs: int, clip: float | None = None,
-           poison: int | None = None) -> list[float]:  # fmt: skip
+def _train(
+    fabric: Fabric, model: Any, opt: Any, epochs: int, clip: float | None = None, poison: int | None = None
+) -> list[float]:
     losses = []
     for step, (x, y) in enumerate(_batches() * epochs):
         loss = nn.functional.mse_loss(model(x).float(), y)
@@ -106,6 +107,27 @@ def test_o2_keeps_updates_below_fp16_spacing_and_16_true_loses_them(
         opt.zero_grad()
     assert model.w.dtype == dtype
     assert model.w.float().mean().item() == pytest.approx(expected, abs=2e-4)
+
+
+OPT_LEVELS = [
+    ("O0", "32-true", False, None),
+    ("O1", "16-mixed", False, 2.0**16),
+    ("O2", "16-mixed", True, 2.0**16),
+    ("O3", "16-true", False, 1.0),
+]
+
+
+@pytest.mark.parametrize(("level", "precision", "master", "scale"), OPT_LEVELS)
+def test_apex_opt_levels_as_in_the_trainer(
+    level: str, precision: str, master: bool, scale: float | None
+) -> None:
+    plugin = AMPPrecision.from_opt_level(level, device="cpu")  # type: ignore[arg-type]
+    assert (plugin.precision, plugin.master_weights) == (precision, master)
+    assert (None if plugin.scaler is None else plugin.scaler.get_scale()) == scale
+    bf16 = AMPPrecision.from_opt_level("O2", cast_model_type=torch.bfloat16, device="cpu")
+    assert (bf16.precision, bf16.master_weights, bf16.scaler) == ("bf16-mixed", True, None)
+    with pytest.raises(ValueError, match=r"level='O4'.*HINT"):
+        AMPPrecision.from_opt_level("O4")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- quality against fp32
@@ -255,6 +277,19 @@ def test_16_true_refuses_an_eps_that_rounds_to_zero_before_the_first_step() -> N
     _assert_same(before, _snapshot(model, opt))
 
 
+def test_training_continues_from_the_masters_after_teardown() -> None:
+    plugin = AMPPrecision("bf16-mixed", master_weights=True, device="cpu")
+    fabric, model, opt = _setup(plugin)
+    _train(fabric, model, opt, epochs=1)
+    masters = [m.detach().clone() for m in plugin.masters.masters()]
+    plugin.teardown()  # what fabric.strategy.teardown() calls: the optimizer holds the half weights again
+    assert {p.dtype for g in opt.param_groups for p in g["params"]} == {torch.bfloat16, torch.float32}
+    fabric.backward(model(_batches()[0][0]).float().pow(2).mean())
+    opt.step()  # attached again: its fp32 state goes back to the masters, which step on
+    assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+    assert not torch.equal(next(plugin.masters.masters()), masters[0])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -265,7 +300,7 @@ def test_16_true_refuses_an_eps_that_rounds_to_zero_before_the_first_step() -> N
         ({"precision": "bf16-true", "rounding_seed": -2}, r"rounding_seed=-2"),
         ({"precision": "bf16-true", "lr_on_skip": "later"}, r"lr_on_skip='later'.*HINT"),
     ],
-)  # fmt: skip
+)
 def test_bad_half_weight_arguments_raise_with_a_hint(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         AMPPrecision(**kwargs, device="cpu")

@@ -58,6 +58,7 @@ PINNED = [
     "epoch_training_done",
     "init_fsdp_precision",
     "logged_step",
+    "set_fabric_input_dtype",
     "should_update_logs",
 ]
 
@@ -110,6 +111,13 @@ def test_lightning_internals_we_read_still_exist() -> None:
     loss = torch.tensor(3.0)
     _compat.before_backward_hooks(trainer.precision_plugin, loss, module)
     assert seen[-1] is loss
+    # Fabric's throughput utilities read MixedPrecision._desired_input_dtype.
+    from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision
+    from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype
+
+    fabric_plugin = FabricMixedPrecision("16-mixed", "cpu")
+    _compat.set_fabric_input_dtype(fabric_plugin, torch.bfloat16)
+    assert _plugin_to_compute_dtype(fabric_plugin) == torch.bfloat16
     # Fabric.setup calls the plugin's convert_module from lightning.fabric's own module.
     assert not _compat.called_by_fabric()
     assert "self._precision.convert_module(" in inspect.getsource(Fabric.setup)

@@ -43,8 +43,14 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)
 
 
-def _train(fabric: Fabric, model: Any, opt: Any, steps: range, max_norm: float | None = None,
-           poison: tuple[int, ...] = ()) -> list[torch.Tensor]:  # fmt: skip
+def _train(
+    fabric: Fabric,
+    model: Any,
+    opt: Any,
+    steps: range,
+    max_norm: float | None = None,
+    poison: tuple[int, ...] = (),
+) -> list[torch.Tensor]:
     norms = []
     for step in steps:
         x, y = _batch(step)
@@ -201,7 +207,7 @@ def _ddp_worker(fabric: Fabric, out_dir: str) -> None:
     gathered = [torch.zeros_like(flat) for _ in range(fabric.world_size)]
     dist.all_gather(gathered, flat)
     equal, finite = all(torch.equal(gathered[0], g) for g in gathered), bool(torch.isfinite(flat).all())
-    result = {"skipped": plugin.scaler.skipped_steps, "equal": equal, "finite": finite}
+    result = {"skipped": plugin.guard.skipped_steps, "equal": equal, "finite": finite}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     leave_group()
     # Kept alive to the forked worker's os._exit: freeing a DDP model after its group is gone can
@@ -213,9 +219,19 @@ _KEPT: list[Any] = []
 
 
 @pytest.mark.slow
-def test_ddp_ranks_agree_on_a_skip(tmp_path: Path) -> None:
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_fork",
-                    plugins=[AMPPrecision("16-mixed", device="cpu")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"precision": "16-mixed"},
+        {"precision": "16-mixed", "master_weights": True},
+        {"precision": "bf16-true", "rounding": "stochastic"},
+    ],
+    ids=lambda kwargs: "-".join(str(v) for v in kwargs.values()),
+)
+def test_ddp_ranks_agree_on_a_skip(kwargs: dict[str, Any], tmp_path: Path) -> None:
+    """Half weights too: the masters and the stochastic rounding (one seed) stay equal across ranks."""
+    plugin = AMPPrecision(**kwargs, device="cpu")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_fork", plugins=[plugin])
     fabric.launch(_ddp_worker, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert results == [{"skipped": 1, "equal": True, "finite": True}] * 2
