@@ -25,13 +25,16 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
 from amp_plugin._validation import fail
+from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
 from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
@@ -76,6 +79,9 @@ class AMPPrecision(MixedPrecision):
         rounding_seed: seed of the stochastic rounding (the same on every rank).
         lr_on_skip: what a scheduler wrapped by :meth:`skip_aware` does after a skipped step:
             ``"hold"`` or ``"advance"`` (without PyTorch's order warning).
+        fp8: run the eligible ``nn.Linear`` layers' matmuls in fp8 through torchao (with
+            ``"bf16-mixed"``): a recipe name or a :class:`~amp_plugin.fp8.Float8`; the layers are
+            converted in ``fabric.setup(model)``, and :attr:`fp8_report` says which.
 
     ``fabric.save(path, {"model": model, "optimizer": optimizer, "amp": precision})`` stores the
     scaler (or guard) state and the rounding generators (Fabric saves what it is handed, and it
@@ -106,9 +112,12 @@ class AMPPrecision(MixedPrecision):
         rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
         rounding_seed: int = 0,
         lr_on_skip: Literal["hold", "advance"] = "hold",
+        fp8: Recipe | Float8 | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, "auto", lr_on_skip, guard)
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
+        self.fp8 = check_fp8_request("AMPPrecision (Fabric)", fp8, precision, master_weights)
+        self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
         self.kernels = check_backend(kernels, "AMPPrecision (Fabric)", "kernels")
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
         fallback = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,6 +222,9 @@ class AMPPrecision(MixedPrecision):
         self._module = weakref.ref(module)
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
+        if self.fp8 is not None:
+            self.fp8_report = fp8_layers.convert(module, self.fp8)
+            rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
         return module
 
     # -- the optimizers ----------------------------------------------------------------------------

@@ -17,13 +17,15 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
+from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
 from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
@@ -82,6 +84,10 @@ class AMPPrecision(MixedPrecision):
             step was skipped (or not taken: ``training_step`` returned ``None``); ``"advance"``
             steps it anyway, without PyTorch's misleading order warning. In manual optimization
             declare the scheduler with ``"interval": "step"`` to have it held.
+        fp8: run the eligible ``nn.Linear`` layers' matmuls in fp8 through torchao (with
+            ``"bf16-mixed"``): a recipe name (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise_with_gw_hp"``) or a :class:`~amp_plugin.fp8.Float8` (recipe, layer filter);
+            the choice is reported at fit start and kept in :attr:`fp8_report`.
 
     Example:
         >>> plugin = AMPPrecision("16-mixed", device="cpu")
@@ -108,8 +114,11 @@ class AMPPrecision(MixedPrecision):
         rounding_seed: int = 0,
         fp32_functions: Callable[..., Any] | Sequence[Callable[..., Any]] = (),
         guard: bool = True,
+        fp8: Recipe | Float8 | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip, guard)
+        self.fp8 = check_fp8_request("AMPPrecision", fp8, precision, master_weights)
+        self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
         self.kernels = check_backend(kernels, "AMPPrecision", "kernels")
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
@@ -194,6 +203,8 @@ class AMPPrecision(MixedPrecision):
             trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
             device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
             self._half.convert(module, self._settings(device)[1], self.fp32_modules)
+        if self.fp8 is not None:
+            self.fp8_report = fp8_layers.convert(module, self.fp8)
         return module
 
     @override
@@ -219,6 +230,8 @@ class AMPPrecision(MixedPrecision):
         )
         if self._half is not None:
             self._half.attach(optimizers)
+        if self.fp8_report is not None:
+            rank_zero_info(f"AMPPrecision: {self.fp8_report}")
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
         if isinstance(module, LightningModule) and (trainer := _compat.attached_trainer(module)) is not None:
