@@ -45,7 +45,10 @@ _DTYPES = {
 _HINTS = {
     **dict.fromkeys(("16", "fp16", "float16", "half", "torch.float16"), "use '16-mixed' for fp16 autocast"),
     **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "use 'bf16-mixed' for bf16 autocast"),
-    "transformer-engine": "for fp8 use Lightning's TransformerEnginePrecision; this plugin does fp16/bf16",
+    **dict.fromkeys(
+        ("transformer-engine", "fp8", "float8", "8-mixed"),
+        "for fp8 matmuls pass precision='bf16-mixed', fp8='tensorwise' (needs torchao: amp_plugin[fp8])",
+    ),
     **dict.fromkeys(("32", "fp32", "float32"), "use '32-true' for fp32 (autocast off)"),
     **dict.fromkeys(("64", "64-true"), "for fp64 drop the AMP plugin and use Trainer(precision='64-true')"),
 }
