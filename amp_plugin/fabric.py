@@ -357,23 +357,16 @@ class AMPPrecision(MixedPrecision):
         """
         return self._driver.last_step_skipped
 
-    def known_skip(self, optimizer: Any) -> bool | None:
-        """Whether ``optimizer``'s latest step was skipped, where that is known without a host read.
-
-        ``None`` after a fused optimizer's step (its flag stayed on the device).
+    @property
+    def driver(self) -> StepDriver:
+        """The :class:`~amp_plugin.step.StepDriver` of this plugin's steps (which were skipped, and where).
 
         Example:
             >>> opt = torch.optim.SGD([nn.Parameter(torch.ones(1))])
-            >>> AMPPrecision("bf16-mixed", device="cpu").known_skip(opt)  # before its first step
+            >>> AMPPrecision("bf16-mixed", device="cpu").driver.known_skip(opt)  # before its first step
             False
         """
-        return self._driver.known_skip(optimizer)
-
-    @property
-    def skipped_steps_seen(self) -> int:
-        """The guard's skipped steps as last known on the host (see :attr:`LossScaler.skipped_steps_seen`)."""
-        guard = self.guard
-        return 0 if guard is None else guard.skipped_steps_seen
+        return self._driver
 
     def skip_aware(self, scheduler: Any) -> SkipAwareScheduler:
         """``scheduler`` wrapped to follow ``lr_on_skip`` when the optimizer step it follows was skipped.
@@ -389,7 +382,7 @@ class AMPPrecision(MixedPrecision):
             >>> scheduler.get_last_lr()
             [1.0]
         """
-        return SkipAwareScheduler(scheduler, self)
+        return SkipAwareScheduler(scheduler, self._driver, self.lr_on_skip)
 
     def metrics(self, grad_norm: Tensor | float | None = None) -> dict[str, float]:
         """The ``amp/*`` values as Python floats, ready for ``fabric.log_dict(precision.metrics())``.

@@ -1,8 +1,9 @@
 """``SkipAwareScheduler``: a step-interval LR scheduler that holds still when the optimizer step was skipped.
 
 The Trainer's ``AMPPrecision`` wraps every step-interval scheduler in one at fit start; Fabric's
-``AMPPrecision`` wraps the one handed to its ``hold_on_skip``. The wrapper asks the plugin whether the
-step it follows was skipped. Plain torch: nothing here imports Lightning.
+``AMPPrecision`` wraps the one handed to its ``skip_aware``. The wrapper asks the plugin's step
+driver (:class:`~amp_plugin.step.StepDriver`) whether the step it follows was skipped. Plain torch:
+nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -10,16 +11,15 @@ from __future__ import annotations
 import warnings
 from typing import Any, Protocol
 
+from amp_plugin._validation import fail
+
 __all__ = ["SkipAwareScheduler"]
 
 _SCHEDULER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
 
 class _StepSkips(Protocol):
-    """What the wrapper reads of its plugin (either ``AMPPrecision`` is one)."""
-
-    @property
-    def lr_on_skip(self) -> str: ...
+    """What the wrapper reads of the steps (a :class:`~amp_plugin.step.StepDriver` is one)."""
 
     @property
     def last_step_skipped(self) -> bool: ...
@@ -40,32 +40,41 @@ class SkipAwareScheduler:
 
     Args:
         scheduler: the LR scheduler to wrap.
-        plugin: says whether a step was skipped (``known_skip(optimizer)``, or
-            ``last_step_skipped`` for a scheduler without ``.optimizer``) and what to do then
-            (``lr_on_skip``: ``"hold"`` or ``"advance"``); an ``AMPPrecision`` (Trainer's or Fabric's).
+        steps: says whether a step was skipped (``known_skip(optimizer)``, or
+            ``last_step_skipped`` for a scheduler without ``.optimizer``, and ``skipped_steps_seen``):
+            the plugin's :class:`~amp_plugin.step.StepDriver`.
+        lr_on_skip: ``"hold"`` keeps the scheduler still after a skipped step; ``"advance"`` steps it.
 
     Example:
         >>> import torch
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
-        >>> class Plugin:  # what AMPPrecision says after a step that was taken
-        ...     lr_on_skip, last_step_skipped, skipped_steps_seen = "hold", False, 0
+        >>> class Taken:  # what the step driver says after a step that was taken
+        ...     last_step_skipped, skipped_steps_seen = False, 0
         ...     def known_skip(self, optimizer): return False
-        >>> scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), Plugin())
+        >>> scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), Taken())
         >>> opt.step(); scheduler.step()  # a step that was taken: the scheduler moves
         >>> scheduler.get_last_lr()
         [0.5]
-        >>> class Skipped:  # what AMPPrecision says after an overflow
-        ...     lr_on_skip, last_step_skipped, skipped_steps_seen = "hold", True, 0
+        >>> class Skipped:  # what the step driver says after an overflow
+        ...     last_step_skipped, skipped_steps_seen = True, 0
         ...     def known_skip(self, optimizer): return True
         >>> held = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), Skipped())
         >>> held.step(); held.get_last_lr()
         [0.5]
     """
 
-    def __init__(self, scheduler: Any, plugin: _StepSkips) -> None:
+    def __init__(self, scheduler: Any, steps: _StepSkips, lr_on_skip: str = "hold") -> None:
+        if lr_on_skip not in ("hold", "advance"):
+            fail(
+                "SkipAwareScheduler",
+                passed=f"lr_on_skip={lr_on_skip!r}",
+                allowed="'hold' or 'advance'",
+                hint="'hold' keeps the schedule in step with the weights' updates.",
+            )
         self.__dict__["_scheduler"] = scheduler
-        self.__dict__["_plugin"] = plugin
-        self.__dict__["_held"] = plugin.skipped_steps_seen  # skips before this wrapper are not its own
+        self.__dict__["_steps"] = steps
+        self.__dict__["_lr_on_skip"] = lr_on_skip
+        self.__dict__["_held"] = steps.skipped_steps_seen  # skips before this wrapper are not its own
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the wrapped scheduler unless its optimizer's step was skipped and the plugin holds.
@@ -76,13 +85,13 @@ class SkipAwareScheduler:
         check every 100 steps), so the schedule takes as many steps as the optimizer, a few steps late.
         """
         optimizer = getattr(self._scheduler, "optimizer", None)
-        plugin = self._plugin
-        known = plugin.known_skip(optimizer) if optimizer is not None else plugin.last_step_skipped
-        if plugin.lr_on_skip == "advance":
+        steps = self._steps
+        known = steps.known_skip(optimizer) if optimizer is not None else steps.last_step_skipped
+        if self._lr_on_skip == "advance":
             self._advance(bool(known), *args, **kwargs)  # a fused step called optimizer.step(): no warning
             return
         if known is None:  # a fused step: hold for the skips counted since, without reading the flag
-            known = plugin.skipped_steps_seen > self.__dict__["_held"]
+            known = steps.skipped_steps_seen > self.__dict__["_held"]
         if known:
             self.__dict__["_held"] += 1
             return

@@ -189,6 +189,11 @@ class StepDriver:
         return flag if isinstance(flag, bool) else None
 
     @property
+    def skipped_steps_seen(self) -> int:
+        """The scaler's skipped steps as last known on the host (:attr:`LossScaler.skipped_steps_seen`)."""
+        return 0 if self.scaler is None else self.scaler.skipped_steps_seen
+
+    @property
     def last_skip(self) -> Skip:
         """:attr:`last_step_skipped` without a host read: a bool, or a 0-dim device flag (> 0: skipped)."""
         if self._last is not None:

@@ -17,7 +17,7 @@ ORDER_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()
 
 
 class _Plugin:
-    """What the wrapper reads of AMPPrecision, scripted."""
+    """What the wrapper reads of the plugin's step driver (and the plugin's lr_on_skip), scripted."""
 
     def __init__(self, skipped: bool, lr_on_skip: str = "hold") -> None:
         self.skipped, self.lr_on_skip = skipped, lr_on_skip
@@ -44,7 +44,8 @@ def _optimizer() -> torch.optim.Optimizer:
 
 def _wrapped(plugin: Any, optimizer: torch.optim.Optimizer | None = None) -> SkipAwareScheduler:
     opt = optimizer or _optimizer()
-    return SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), plugin)
+    steps = plugin.driver if isinstance(plugin, AMPPrecision) else plugin
+    return SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), steps, plugin.lr_on_skip)
 
 
 def test_a_taken_step_steps_the_scheduler_and_asks_about_its_own_optimizer() -> None:
@@ -83,7 +84,7 @@ def test_a_scheduler_without_an_optimizer_follows_the_last_step(skipped: bool) -
             self.steps += 1
 
     plugin = _Plugin(skipped)
-    scheduler = SkipAwareScheduler(Counter(), plugin)
+    scheduler = SkipAwareScheduler(Counter(), plugin, plugin.lr_on_skip)
     scheduler.step()
     assert scheduler.steps == (0 if skipped else 1) and plugin.asked == []
 
@@ -134,3 +135,8 @@ def test_with_a_fused_optimizer_the_scheduler_holds_once_per_counted_skip_withou
     assert scheduler.last_epoch == 1  # held twice, late
     scheduler.step()
     assert scheduler.last_epoch == 2
+
+
+def test_a_bad_lr_on_skip_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"lr_on_skip='later'.*HINT"):
+        SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(_optimizer(), 1), _Plugin(False), "later")

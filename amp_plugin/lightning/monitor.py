@@ -1,7 +1,7 @@
 """``LossScaleMonitor``: what the loss scaler does, in the Trainer's logger and in words.
 
 Cost model (see ``docs/monitoring.md``): per optimizer step the monitor takes the step's skip
-flag as the plugin already holds it (``AMPPrecision.last_skip``): a bool where a non-fused step
+flag as the plugin already holds it (``AMPPrecision.driver.last_skip``): a bool where a non-fused step
 read it, so no read here; a fused step's device flag is kept and read, with the others since,
 in one host read at the next logged step (or the epoch's end). The scale, the skip count and the gradient
 norm are read only on steps that Lightning logs (``Trainer(log_every_n_steps=...)``) and on
@@ -259,7 +259,10 @@ class LossScaleMonitor(Callback):
         plugin = self._require_plugin()
         if self._progress_count(trainer) == self._progress:
             return  # accumulating gradients (or no step at all): nothing happened to the scaler
-        flag = plugin.last_skip  # a bool where the step read it (non-fused); else the device flag
+        driver = plugin.driver
+        flag = (
+            False if driver is None else driver.last_skip
+        )  # a bool where the step read it; else the device flag
         sample = _compat.should_update_logs(trainer)
         epoch_done = _compat.epoch_training_done(trainer)
         if isinstance(flag, Tensor) and not (sample or epoch_done or self._tracer is not None):

@@ -242,7 +242,9 @@ class AMPPrecision(MixedPrecision):
             if getattr(config, "interval", "step") == "step" and not isinstance(
                 config.scheduler, SkipAwareScheduler
             ):
-                config.scheduler = SkipAwareScheduler(config.scheduler, self)
+                config.scheduler = SkipAwareScheduler(
+                    config.scheduler, self._require_driver(), self.lr_on_skip
+                )
         return model, optimizers, lr_schedulers
 
     @override
@@ -464,24 +466,11 @@ class AMPPrecision(MixedPrecision):
         """
         return self._driver is not None and self._driver.last_step_skipped
 
-    def step_skipped(self, optimizer: Any) -> bool:
-        """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
-        return self._driver is not None and self._driver.step_skipped(optimizer)
-
-    def known_skip(self, optimizer: Any) -> bool | None:
-        """:meth:`step_skipped` where the step already read it on the host; ``None`` for a fused step."""
-        return False if self._driver is None else self._driver.known_skip(optimizer)
-
     @property
-    def last_skip(self) -> bool | Tensor:
-        """:attr:`last_step_skipped` without a host read: a bool, or a 0-dim device flag (> 0: skipped)."""
-        return False if self._driver is None else self._driver.last_skip
-
-    @property
-    def skipped_steps_seen(self) -> int:
-        """The guard's skipped steps as last known on the host (see :attr:`LossScaler.skipped_steps_seen`)."""
-        guard = self.guard
-        return 0 if guard is None else guard.skipped_steps_seen
+    def driver(self) -> StepDriver | None:
+        """The :class:`~amp_plugin.step.StepDriver` of this plugin's steps (which were skipped, per
+        optimizer and per batch); ``None`` until the precision is resolved at setup."""
+        return self._driver
 
 
 _IN_FABRIC = (

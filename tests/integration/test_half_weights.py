@@ -165,7 +165,7 @@ def test_a_skipped_step_leaves_model_masters_and_optimizer_state_bit_identical(
     plugin = AMPPrecision(**kwargs)
     _fit(plugin, module, max_steps=5)
     before, after = module.snapshots["before"], module.snapshots["after"]
-    assert plugin.step_skipped(module.trainer.optimizers[0]) is False  # the later steps ran
+    assert plugin.driver.step_skipped(module.trainer.optimizers[0]) is False  # the later steps ran
     for key in ("model", "optimizer_params"):
         for a, b in zip(before[key], after[key], strict=True):
             assert torch.equal(a, b), key
