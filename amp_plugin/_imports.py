@@ -24,6 +24,10 @@ APEX_HINT = (
 APEX_MODULES = ("amp_C", "apex.multi_tensor_apply")
 # Read from the installed metadata on first use; nothing is imported.
 _MATPLOTLIB = RequirementCache("matplotlib")
+# fp8 training (amp_plugin.fp8) is built and tested against this torchao release.
+TORCHAO_REQUIREMENT = "torchao==0.18.0"
+TORCHAO_HINT = 'pip install "amp_plugin[fp8]" (or `pip install torchao==0.18.0`; it leaves torch as it is).'
+_TORCHAO = RequirementCache(TORCHAO_REQUIREMENT)  # metadata only: torchao is imported when used
 
 
 @functools.cache
@@ -69,6 +73,37 @@ def import_amp_c() -> tuple[Any, Any]:
     amp_c = importlib.import_module("amp_C")
     applier = importlib.import_module("apex.multi_tensor_apply").multi_tensor_applier
     return amp_c, applier
+
+
+def torchao_error() -> str | None:
+    """Why torchao's float8 training cannot be used, or ``None`` when it can (asked once, then cached).
+
+    Example:
+        >>> torchao_error() is None or "torchao" in torchao_error()
+        True
+    """
+    if "torchao" in sys.modules and sys.modules.get("torchao") is None:  # blocked: `import` would fail
+        return "`torchao` does not import"
+    version = package_version("torchao")
+    if version is None:
+        return "`torchao` is not installed"
+    if not _TORCHAO:
+        return f"torchao {version} is installed; amp_plugin's fp8 needs {TORCHAO_REQUIREMENT}"
+    return None
+
+
+def require_torchao(call: str) -> None:
+    """Raise ``ImportError`` naming ``call`` and the install command when torchao's float8 is missing.
+
+    Example:
+        >>> try:
+        ...     require_torchao("AMPPrecision(fp8='tensorwise')")
+        ... except ImportError as err:
+        ...     assert "HINT: pip install" in str(err)
+    """
+    reason = torchao_error()
+    if reason is not None:
+        raise ImportError(f"{call} needs torchao's float8 training ({reason}). HINT: {TORCHAO_HINT}")
 
 
 def matplotlib_available() -> bool:

@@ -17,9 +17,14 @@ from amp_plugin._validation import check_device_type, check_number, check_tensor
 from amp_plugin.kernels import Backend, check_backend
 
 __all__ = [
-    "SCALE_FLOOR", "check_config", "check_device", "check_kernels", "check_manual_scale", "check_norm_type",
+    "SCALE_FLOOR",
+    "check_config",
+    "check_device",
+    "check_kernels",
+    "check_manual_scale",
+    "check_norm_type",
     "checked_state",
-]  # fmt: skip
+]
 
 # The smallest normal positive fp32 (2**-126): the scale never goes below it. GradScaler's own
 # scale can shrink past it into subnormals and then to exactly 0, where 0 * (1 / 0) = NaN
@@ -28,15 +33,27 @@ SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 OWN_KEYS = (
-    "hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "dynamic", "skipped_steps", "total_steps",
-)  # fmt: skip
+    "hysteresis",
+    "_hysteresis_tracker",
+    "min_scale",
+    "max_scale",
+    "dynamic",
+    "skipped_steps",
+    "total_steps",
+)
 _CALL = "LossScaler"
 
 
 def check_config(
-    init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any,
-    hysteresis: Any, min_scale: Any, max_scale: Any, call: str = _CALL,
-) -> None:  # fmt: skip
+    init_scale: Any,
+    growth_factor: Any,
+    backoff_factor: Any,
+    growth_interval: Any,
+    hysteresis: Any,
+    min_scale: Any,
+    max_scale: Any,
+    call: str = _CALL,
+) -> None:
     """Check the scaler's numeric settings together (the bounds and the start scale interact)."""
 
     def count(x: Any) -> bool:
@@ -45,25 +62,61 @@ def check_config(
     low = min_scale if is_number(min_scale) else SCALE_FLOOR
     high = max_scale if is_number(max_scale) else math.inf
     rules = [
-        (is_number(init_scale) and init_scale >= SCALE_FLOOR, f"init_scale={init_scale!r}",
-         f"a finite number >= {SCALE_FLOOR:g} (the smallest normal fp32)", "2.0**16 is usual for fp16."),
-        (is_number(growth_factor) and growth_factor > 1, f"growth_factor={growth_factor!r}",
-         "a finite number > 1", "2.0 doubles the scale after growth_interval clean steps."),
-        (is_number(backoff_factor) and 0 < backoff_factor < 1, f"backoff_factor={backoff_factor!r}",
-         "a number in (0, 1)", "0.5 halves the scale on overflow."),
-        (count(growth_interval), f"growth_interval={growth_interval!r}", "an int >= 1",
-         "2000 is torch's default."),
-        (count(hysteresis), f"hysteresis={hysteresis!r}", "an int >= 1",
-         "1 backs off on every overflow (torch's behaviour); 2 tolerates one overflow in a row."),
-        (min_scale is None or (is_number(min_scale) and min_scale >= SCALE_FLOOR), f"min_scale={min_scale!r}",
-         f"None or a finite number >= {SCALE_FLOOR:g}", "e.g. min_scale=1.0 keeps the scale off 0."),
-        (max_scale is None or (is_number(max_scale) and max_scale > 0), f"max_scale={max_scale!r}",
-         "None or a finite number > 0", "e.g. max_scale=2.0**24."),
-        (low <= high, f"min_scale={min_scale!r}, max_scale={max_scale!r}", "min_scale <= max_scale",
-         "swap the two bounds."),
-        (not is_number(init_scale) or low <= init_scale <= high, f"init_scale={init_scale!r}",
-         f"a scale within [{low:g}, {high:g}]", "pick init_scale between min_scale and max_scale."),
-    ]  # fmt: skip
+        (
+            is_number(init_scale) and init_scale >= SCALE_FLOOR,
+            f"init_scale={init_scale!r}",
+            f"a finite number >= {SCALE_FLOOR:g} (the smallest normal fp32)",
+            "2.0**16 is usual for fp16.",
+        ),
+        (
+            is_number(growth_factor) and growth_factor > 1,
+            f"growth_factor={growth_factor!r}",
+            "a finite number > 1",
+            "2.0 doubles the scale after growth_interval clean steps.",
+        ),
+        (
+            is_number(backoff_factor) and 0 < backoff_factor < 1,
+            f"backoff_factor={backoff_factor!r}",
+            "a number in (0, 1)",
+            "0.5 halves the scale on overflow.",
+        ),
+        (
+            count(growth_interval),
+            f"growth_interval={growth_interval!r}",
+            "an int >= 1",
+            "2000 is torch's default.",
+        ),
+        (
+            count(hysteresis),
+            f"hysteresis={hysteresis!r}",
+            "an int >= 1",
+            "1 backs off on every overflow (torch's behaviour); 2 tolerates one overflow in a row.",
+        ),
+        (
+            min_scale is None or (is_number(min_scale) and min_scale >= SCALE_FLOOR),
+            f"min_scale={min_scale!r}",
+            f"None or a finite number >= {SCALE_FLOOR:g}",
+            "e.g. min_scale=1.0 keeps the scale off 0.",
+        ),
+        (
+            max_scale is None or (is_number(max_scale) and max_scale > 0),
+            f"max_scale={max_scale!r}",
+            "None or a finite number > 0",
+            "e.g. max_scale=2.0**24.",
+        ),
+        (
+            low <= high,
+            f"min_scale={min_scale!r}, max_scale={max_scale!r}",
+            "min_scale <= max_scale",
+            "swap the two bounds.",
+        ),
+        (
+            not is_number(init_scale) or low <= init_scale <= high,
+            f"init_scale={init_scale!r}",
+            f"a scale within [{low:g}, {high:g}]",
+            "pick init_scale between min_scale and max_scale.",
+        ),
+    ]
     for ok, got, allowed, hint in rules:
         if not ok:
             fail(call, passed=got, allowed=allowed, hint=hint)
@@ -140,8 +193,16 @@ def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: A
             ),
         )
     sd = {"hysteresis": hysteresis, "min_scale": min_scale, "max_scale": max_scale, **state_dict}
-    check_config(sd["scale"], sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"],
-                 sd["hysteresis"], sd["min_scale"], sd["max_scale"], call=what)  # fmt: skip
+    check_config(
+        sd["scale"],
+        sd["growth_factor"],
+        sd["backoff_factor"],
+        sd["growth_interval"],
+        sd["hysteresis"],
+        sd["min_scale"],
+        sd["max_scale"],
+        call=what,
+    )
     counts = {key: sd.get(key, 0) for key in ("_growth_tracker", "skipped_steps", "total_steps")}
     counts["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", sd["hysteresis"])
     for key, value in counts.items():

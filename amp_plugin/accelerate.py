@@ -76,8 +76,11 @@ def _check(accelerator: Any, scaler: LossScaler | None) -> Any:
         )
     precision = str(accelerator.mixed_precision)
     if precision != "fp16":
-        hint = ("bf16 needs no loss scaler (it has fp32's range); drop this call." if precision == "bf16"
-                else 'create it as Accelerator(mixed_precision="fp16").')  # fmt: skip
+        hint = (
+            "bf16 needs no loss scaler (it has fp32's range); drop this call."
+            if precision == "bf16"
+            else 'create it as Accelerator(mixed_precision="fp16").'
+        )
         fail(
             _CALL,
             passed=f"an Accelerator with mixed_precision={precision!r}",

@@ -1,5 +1,8 @@
 """Command line: ``python -m amp_plugin doctor [--model pkg.module:factory] [--json] [--no-measure] [--ops]``.
 
+``doctor --fp8 [RECIPE] [--model pkg.module:factory]`` reports fp8 instead (see
+:mod:`amp_plugin.diagnostics.fp8_report`).
+
 Also installed as the ``amp-plugin`` console script; ``--version`` prints the version. Exit
 status: 0 when all is well, 1 when the model audit has errors, 2 for a usage error (bad
 arguments, a model that cannot be loaded).
@@ -31,6 +34,8 @@ from amp_plugin.diagnostics import (
     format_device_report,
     probe_autocast_ops,
 )
+from amp_plugin.diagnostics.fp8_report import format_fp8_report, fp8_report
+from amp_plugin.fp8 import RECIPES
 
 __all__ = ["load_model", "main"]
 
@@ -68,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "doctor":
         parser.print_help(sys.stderr)
         return 2
+    if args.fp8 is not None:
+        return _doctor_fp8(args.model, args.fp8, args.json)
     return _doctor(model_spec=args.model, as_json=args.json, measure=not args.no_measure, ops=args.ops)
 
 
@@ -115,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     doctor.add_argument("--no-measure", action="store_true", help="skip the matmul throughput measurement")
     doctor.add_argument("--ops", action="store_true", help="probe the dtype common ops run in under autocast")
+    doctor.add_argument(
+        "--fp8", nargs="?", const="tensorwise", choices=RECIPES, metavar="RECIPE",
+        help="fp8 instead: the device's fp8 hardware and, with --model, which Linear layers fp8 would "
+        "convert and each one's fp8 error (SQNR in dB); RECIPE: " + ", ".join(RECIPES)
+        + " (default tensorwise)",
+    )  # fmt: skip
     return parser
 
 
@@ -140,6 +153,17 @@ def _doctor(model_spec: str | None, as_json: bool, measure: bool, ops: bool = Fa
         if ops:
             print(f"\n{format_autocast_ops(probes)}")
     return 0 if audit is None or audit.ok else 1
+
+
+def _doctor_fp8(model_spec: str | None, recipe: str, as_json: bool) -> int:
+    try:
+        model = load_model(model_spec) if model_spec is not None else nn.Sequential()
+        report = fp8_report(model, recipe)
+    except (ValueError, TypeError, ImportError, RuntimeError) as err:
+        print(f"amp-plugin doctor: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if as_json else format_fp8_report(report))
+    return 0
 
 
 def _probe_ops() -> list[AutocastOps]:

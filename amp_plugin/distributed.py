@@ -6,15 +6,14 @@ change gradients after the all-reduce, sharded gradients, fused optimizers that 
 inside their kernel), so the inf flag itself is all-reduced (MAX) before any skip decision.
 
 When every rank holds only its shard of the gradients, the clip norm of the whole model
-is reduced from the local norms (:func:`global_norm`); :class:`GlobalNormKernels` plugs
-that into the clipping code. The proof that the ranks agree (``check_consistency``,
-``ConsistencyCheck``) is :mod:`amp_plugin.consistency`, which builds on this module.
+is reduced from the local norms (:func:`global_norm`); ``ShardAwareKernels(..., sharded=True)``
+in :mod:`amp_plugin.sharding` plugs that into the clipping code. The proof that the ranks agree
+(``check_consistency``, ``ConsistencyCheck``) is :mod:`amp_plugin.consistency`, which builds on this module.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -22,10 +21,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from amp_plugin._validation import check_choice, fail
-from amp_plugin.kernels import Kernels
 
 __all__ = [
-    "GlobalNormKernels",
     "SyncMode",
     "all_reduce_found_inf",
     "check_process_group",
@@ -199,46 +196,6 @@ def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -
         _all_reduce_(reduced, dist.ReduceOp.SUM, group)
         reduced = reduced.pow(1.0 / p)
     return reduced.float()
-
-
-class GlobalNormKernels:
-    """A kernel backend whose ``norm`` covers the gradient shards of every rank in ``group``.
-
-    The other operations act on this rank's tensors, as in the wrapped backend. Used by
-    ``LossScaler.clip_grad_norm_(..., sharded=True)``; the norm, the clip factor and the
-    inf flag derived from the norm are then the same on every rank.
-
-    Example:
-        >>> from amp_plugin.kernels import get_kernels
-        >>> GlobalNormKernels(get_kernels("torch")).name
-        'torch+global-norm'
-    """
-
-    def __init__(self, kernels: Kernels, group: Any = None) -> None:
-        if not all(callable(getattr(kernels, op, None)) for op in ("unscale_", "norm", "mul_")):
-            allowed, hint = (
-                "a kernel backend (unscale_, norm and mul_)",
-                "pass amp_plugin.get_kernels('auto').",
-            )
-            fail(
-                "GlobalNormKernels",
-                passed=f"kernels={kernels!r:.80}",
-                allowed=allowed,
-                hint=hint,
-                error=TypeError,
-            )
-        self.inner = kernels
-        self.group = _check_group(group, "GlobalNormKernels")
-        self.name = f"{kernels.name}+global-norm"
-
-    def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
-        self.inner.unscale_(tensors, inv_scale, found_inf)
-
-    def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor:
-        return global_norm(self.inner.norm(tensors, norm_type, exact), norm_type, self.group)
-
-    def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
-        self.inner.mul_(tensors, factor)
 
 
 def _initialised() -> bool:

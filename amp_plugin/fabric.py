@@ -5,28 +5,47 @@ The same name as the Trainer's plugin (``amp_plugin.AMPPrecision``), as Lightnin
 amp_plugin`` does not).
 
 A Fabric ``MixedPrecision`` driving a :class:`~amp_plugin.LossScaler` instead of a
-``torch.amp.GradScaler``: steps with an inf/NaN loss or gradient are skipped in every precision (on
-every DDP rank alike, since the scaler or guard agrees on its inf flag across the default process
-group), and ``fabric.clip_gradients``
-clips the unscaled gradients, of fused optimizers too.
+``torch.amp.GradScaler``, through the same :class:`~amp_plugin.step.StepDriver` as the Trainer's
+plugin: steps with an inf/NaN loss or gradient are skipped in every precision (on every DDP rank
+alike, since the scaler or guard agrees on its inf flag across the default process group), and
+``fabric.clip_gradients`` clips the unscaled gradients, of fused optimizers too. The Trainer
+plugin's half-precision weights come along: fp32 master weights (Apex's O2), the "-true"
+precisions with stochastic or Kahan rounding (:class:`~amp_plugin.half_weights.HalfWeights`), a
+scheduler that holds on a skipped step (:meth:`AMPPrecision.skip_aware`), and the ``amp/*``
+values for ``fabric.log_dict`` (:meth:`AMPPrecision.metrics`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import weakref
+from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.utilities import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
-from amp_plugin._validation import check_choice
+from amp_plugin._validation import fail
+from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
+from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
-from amp_plugin.lightning import checks
+from amp_plugin.lightning import _compat, checks
+from amp_plugin.lightning._monitor_values import amp_metrics
+from amp_plugin.lightning.opt_levels import opt_level_arguments
+from amp_plugin.master_weights import MasterWeights
+from amp_plugin.optim import unwrap_optimizer
+from amp_plugin.precision import Precision as PrecisionName
+from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
+from amp_plugin.schedulers import SkipAwareScheduler
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -37,39 +56,68 @@ class AMPPrecision(MixedPrecision):
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
-            ``"bf16-mixed"``, or ``"auto"`` (bf16 where the device supports it, else fp16).
+            ``"bf16-mixed"``, ``"auto"`` (bf16 where the device supports it, else fp16),
+            ``"16-true"`` / ``"bf16-true"`` (the weights themselves in fp16/bf16, no fp32 copy;
+            fp16 keeps loss scaling; tensors made under ``fabric.init_module()`` and in forward
+            passes take that dtype, as with Fabric's own ``"-true"``), or ``"32-true"`` (fp32,
+            autocast off, still guarded).
         device: the autocast device type; ``None`` takes ``"cuda"`` where CUDA is available, else
             ``"cpu"`` (pass ``device="cpu"`` for ``Fabric(accelerator="cpu")`` on a GPU machine).
         scaler: the :class:`LossScaler` for fp16 (a ``torch.amp.GradScaler`` is converted with its
             settings and state); fp16 gets ``LossScaler()`` by default.
         kernels: kernel backend for the default scaler.
         fp32_modules: module classes whose forward runs in fp32 with autocast off.
+        guard: skip every step whose loss or gradients hold an inf/NaN, in every precision;
+            ``False`` turns it off where no loss scaler runs.
+        master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
+            optimizer step fp32 master copies (Apex's O2); the model's ``state_dict`` (and so
+            ``fabric.save``) holds the fp32 values.
+        keep_fp32: module classes whose weights stay fp32 when the model is cast; default: the
+            normalization layers with master weights, nothing with "-true" precisions.
+        rounding: how updates are written into "-true" weights: ``"nearest"``, ``"stochastic"``
+            or ``"kahan"`` (see :mod:`amp_plugin.rounded_updates`).
+        rounding_seed: seed of the stochastic rounding (the same on every rank).
+        lr_on_skip: what a scheduler wrapped by :meth:`skip_aware` does after a skipped step:
+            ``"hold"`` or ``"advance"`` (without PyTorch's order warning).
+        fp8: run the eligible ``nn.Linear`` layers' matmuls in fp8 through torchao (with
+            ``"bf16-mixed"``): a recipe name or a :class:`~amp_plugin.fp8.Float8`; the layers are
+            converted in ``fabric.setup(model)``, and :attr:`fp8_report` says which.
 
     ``fabric.save(path, {"model": model, "optimizer": optimizer, "amp": precision})`` stores the
-    scaler state (Fabric saves what it is handed, and it does not hand over the precision plugin
-    by itself); ``fabric.load`` with the same keys restores it.
+    scaler (or guard) state and the rounding generators (Fabric saves what it is handed, and it
+    does not hand over the precision plugin by itself); ``fabric.load`` with the same keys
+    restores them.
 
     Example:
         >>> plugin = AMPPrecision("16-mixed", device="cpu")
         >>> plugin.precision, plugin.dtype, type(plugin.scaler).__name__
         ('16-mixed', torch.float16, 'LossScaler')
+        >>> plugin
+        amp_plugin.fabric.AMPPrecision('16-mixed')
     """
 
     scaler: LossScaler | None  # type: ignore[assignment]  # MixedPrecision's is a GradScaler
+    precision: PrecisionName  # type: ignore[assignment]  # MixedPrecision's Literal has only "-mixed"
 
-    def __init__(
+    def __init__(  # MixedPrecision.__init__ is not called: it takes only "-mixed" and builds a GradScaler
         self,
-        precision: Literal["16-mixed", "bf16-mixed", "auto"] = "auto",
+        precision: PrecisionName = "auto",
         device: str | None = None,
         scaler: LossScaler | torch.amp.GradScaler | None = None,
         kernels: Backend = "auto",
         fp32_modules: Sequence[type[nn.Module]] = (),
         guard: bool = True,
+        master_weights: bool = False,
+        keep_fp32: Sequence[type[nn.Module]] | None = None,
+        rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
+        rounding_seed: int = 0,
+        lr_on_skip: Literal["hold", "advance"] = "hold",
+        fp8: Recipe | Float8 | None = None,
     ) -> None:
-        checks.check_arguments(precision, scaler, "auto", "hold", guard)
-        allowed = ("16-mixed", "bf16-mixed", "auto")
-        hint = "the '-true' precisions are the Trainer plugin's: use Fabric(precision='bf16-true')."
-        check_choice("AMPPrecision (Fabric)", "precision", precision, allowed, hint)
+        checks.check_arguments(precision, scaler, "auto", lr_on_skip, guard)
+        keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
+        self.fp8 = check_fp8_request("AMPPrecision (Fabric)", fp8, precision, master_weights)
+        self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
         self.kernels = check_backend(kernels, "AMPPrecision (Fabric)", "kernels")
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
         fallback = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,27 +126,179 @@ class AMPPrecision(MixedPrecision):
             scaler = LossScaler.from_grad_scaler(scaler)
         if scaler is None and dtype == torch.float16:
             scaler = LossScaler(kernels=self.kernels)
-        # Fabric's own set-up (precision, device, scaler, the input dtype its ThroughputMonitor reads);
-        # given a scaler, it builds no GradScaler.
-        super().__init__(name, device_type, scaler=scaler)  # type: ignore[arg-type]
+        # What Fabric's MixedPrecision sets up (its ThroughputMonitor reads the input dtype).
+        self.precision = name  # type: ignore[assignment]  # resolve_settings returns a precision name
+        self.device, self.scaler = device_type, scaler
+        _compat.set_fabric_input_dtype(self, dtype)  # what Fabric's ThroughputMonitor reads
         self.requested, self.dtype = precision, dtype
-        self.scaler = scaler
-        if scaler is None and guard:  # bf16: nothing to scale, but every step is still checked
+        self.master_weights, self.rounding, self.lr_on_skip = master_weights, rounding, lr_on_skip
+        self._half = (
+            HalfWeights(master_weights, keep, rounding, rounding_seed)
+            if master_weights or name in ("16-true", "bf16-true")
+            else None
+        )
+        if scaler is None and guard:  # bf16/fp32: nothing to scale, but every step is still checked
             scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
-        self._driver = StepDriver(scaler)
+        self._driver = StepDriver(scaler, None if self._half is None else self._half.before_step)
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
+        self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
+        self._attached: set[int] = set()  # id() of the optimizers checked and handed to the half weights
+
+    @classmethod
+    def from_opt_level(cls, level: Literal["O0", "O1", "O2", "O3"], **overrides: Any) -> AMPPrecision:
+        """The plugin for Apex opt level ``level``, as the Trainer's ``AMPPrecision.from_opt_level``.
+
+        O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
+        master weights, O3 pure fp16 (static loss scale 1.0, as in Apex); ``overrides`` take Apex's
+        or this class's keywords (see :mod:`amp_plugin.lightning.opt_levels`).
+
+        Example:
+            >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")
+            >>> plugin.precision, plugin.master_weights
+            ('16-mixed', True)
+        """
+        return cls(**opt_level_arguments(level, **overrides))
+
+    def __repr__(self) -> str:
+        return f"amp_plugin.fabric.AMPPrecision({self.requested!r})"
+
+    def __str__(self) -> str:
+        # Lightning's Trainer names a plugin it refuses by str(): say which plugin a Trainer takes.
+        return f"{self!r} (Lightning Fabric's plugin; Trainer(plugins=[...]) takes amp_plugin.AMPPrecision)"
+
+    # -- dtypes: autocast, and the default dtype of the "-true" precisions -------------------------
 
     @override
-    def forward_context(self) -> torch.autocast:
-        # cache_enabled=False, as in the Trainer plugin: ``fabric.autocast()`` may span a no_grad
-        # forward and a later one with grad, and a cached weight cast would carry no history.
-        return torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+    def tensor_init_context(self) -> AbstractContextManager[None]:
+        """Under "16-true"/"bf16-true", tensors made inside take the half dtype (Fabric's ``HalfPrecision``).
+
+        Example:
+            >>> with AMPPrecision("bf16-true", device="cpu").tensor_init_context():
+            ...     torch.ones(2).dtype
+            torch.bfloat16
+            >>> torch.get_default_dtype()
+            torch.float32
+        """
+        half = true_dtype(self.precision)
+        return nullcontext() if half is None else default_dtype(half)
+
+    @override
+    def module_init_context(self) -> AbstractContextManager[None]:
+        """:meth:`tensor_init_context`: ``fabric.init_module()`` builds "-true" models in half directly.
+
+        With master weights the model is built in fp32: the masters are made from those values.
+        """
+        return self.tensor_init_context()
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast for the forward pass (off for "32-true"); "-true" also switches the default dtype."""
+        if self.dtype == torch.float32:
+            autocast = torch.autocast(self.device, enabled=False)
+        else:
+            # cache_enabled=False, as in the Trainer plugin: ``fabric.autocast()`` may span a no_grad
+            # forward and a later one with grad, and a cached weight cast would carry no history.
+            autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+        with autocast, self.tensor_init_context():
+            yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Floating-point inputs take the autocast or weight dtype (left alone under "32-true")."""
+        if self.dtype == torch.float32:
+            return data
+        return apply_to_collection(data, Tensor, _to_dtype, self.dtype)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast the model's weights to fp16/bf16 for master weights or a "-true" precision, in place.
+
+        ``fabric.setup`` calls this before it wraps the model, so the masters are made from the
+        values the model holds (fp32 ones are not rounded).
+        """
+        if self._half is not None:
+            self._half.convert(module, self.dtype, self.fp32_modules)
+        self._module = weakref.ref(module)
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
+        if self.fp8 is not None:
+            self.fp8_report = fp8_layers.convert(module, self.fp8)
+            rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
         return module
+
+    # -- the optimizers ----------------------------------------------------------------------------
+
+    def attach(self, *optimizers: Any) -> None:
+        """Check ``optimizers`` as the Trainer plugin does at fit start; hand them to the half weights.
+
+        With master weights the optimizer then steps the fp32 masters; with a rounding its steps
+        are rounded into the half weights. Refused (``ValueError``, nothing changed) is what the
+        Trainer refuses at fit start: LBFGS under loss scaling, an ``eps`` that fp16 rounds to
+        zero under "16-true", a half parameter without a master. Each optimizer is attached at
+        its first ``step()`` or ``fabric.clip_gradients`` by itself; call this after
+        ``fabric.setup`` and before ``fabric.load`` restores an optimizer's state with master
+        weights: loaded into the half parameters, the state would be rounded to half.
+
+        Example:
+            >>> plugin = AMPPrecision("bf16-mixed", master_weights=True, device="cpu")
+            >>> model = plugin.convert_module(nn.Linear(2, 2))  # what fabric.setup does
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> plugin.attach(opt)
+            >>> model.weight.dtype, opt.param_groups[0]["params"][0].dtype
+            (torch.bfloat16, torch.float32)
+        """
+        for optimizer in optimizers:
+            opt = unwrap_optimizer(optimizer)
+            if id(opt) in self._attached:
+                continue
+            module = None if self._module is None else self._module()
+            if module is not None:
+                weights = "fp32" if self._half is None else "master" if self.master_weights else "half"
+                grad_scaling = self.scaler is not None
+                checks.check_fit_start(module, [opt], self.device, self.dtype, grad_scaling, weights)
+            elif self._half is not None:
+                fail(
+                    "AMPPrecision.attach",
+                    passed=f"optimizer={type(opt).__name__} before the model was set up",
+                    allowed="attaching optimizers once fabric.setup(model, ...) has cast the model",
+                    hint="call precision.attach(optimizer) after fabric.setup.",
+                    error=RuntimeError,
+                )
+            if self._half is not None:
+                self._refuse_early_state(opt)
+                self._half.attach([opt])
+            self._attached.add(id(opt))
+
+    def _refuse_early_state(self, opt: Optimizer) -> None:
+        masters = self.masters
+        if masters is None or not any(
+            masters.master_of(p) is not None
+            and any(
+                isinstance(v, Tensor) and v.dim() > 0 and v.dtype == p.dtype for v in opt.state[p].values()
+            )
+            for group in opt.param_groups
+            for p in group["params"]
+            if p in opt.state
+        ):  # state in fp32 (handed back by teardown) goes to the masters as it is
+            return
+        fail(
+            "AMPPrecision(master_weights=True).attach",
+            passed=f"optimizer={type(opt).__name__} with state for the model's half parameters",
+            allowed=(
+                "an optimizer without state until it steps the fp32 masters (state loaded by fabric.load "
+                f"into the half parameters was rounded to {self.dtype})"
+            ),
+            hint="call precision.attach(optimizer) after fabric.setup and before fabric.load.",
+            error=RuntimeError,
+        )
+
+    @property
+    def masters(self) -> MasterWeights | None:
+        """The fp32 master weights (``master_weights=True``, after ``fabric.setup``), else ``None``."""
+        return self._half.masters if self._half is not None and self.master_weights else None
+
+    # -- backward and step -------------------------------------------------------------------------
 
     @override
     def backward(self, tensor: Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
@@ -108,12 +308,13 @@ class AMPPrecision(MixedPrecision):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step unless the loss or a gradient is inf/NaN (weights and optimizer state then stay as they were).
+        """Step unless the loss or a gradient is inf/NaN (weights, masters and optimizer state then stay put).
 
         Every precision is checked (see :attr:`guard`); the scale is updated after the step.
         """
         if self._driver.scaler is not None and checks.is_lbfgs(optimizer):
             raise TypeError(checks.LBFGS_REFUSAL)
+        self.attach(optimizer)
         # fabric.clip_gradients (the only thing between backward and step) has unscaled already.
         return self._driver.step(optimizer, lambda: False, observe_unscaled=False, **kwargs)
 
@@ -122,11 +323,17 @@ class AMPPrecision(MixedPrecision):
         """Unscale the gradients in place (and check them) before ``fabric.clip_gradients`` clips them.
 
         Also for fused optimizers (``fused=True``), which then step on the unscaled gradients;
-        a second clip in the same step finds them unscaled already.
+        a second clip in the same step finds them unscaled already. With master weights the
+        gradients move into the fp32 masters first, and the masters' gradients are clipped.
         """
+        self.attach(optimizer)
+        if self._half is not None:
+            self._half.before_step(unwrap_optimizer(optimizer))
         guard = self._driver.scaler
         if guard is not None and guard.stage(optimizer) == "ready":
             guard.unscale_(optimizer)
+
+    # -- what a Fabric loop reads ------------------------------------------------------------------
 
     @property
     def guard(self) -> LossScaler | None:
@@ -150,8 +357,109 @@ class AMPPrecision(MixedPrecision):
         """
         return self._driver.last_step_skipped
 
+    def known_skip(self, optimizer: Any) -> bool | None:
+        """Whether ``optimizer``'s latest step was skipped, where that is known without a host read.
+
+        ``None`` after a fused optimizer's step (its flag stayed on the device).
+
+        Example:
+            >>> opt = torch.optim.SGD([nn.Parameter(torch.ones(1))])
+            >>> AMPPrecision("bf16-mixed", device="cpu").known_skip(opt)  # before its first step
+            False
+        """
+        return self._driver.known_skip(optimizer)
+
+    @property
+    def skipped_steps_seen(self) -> int:
+        """The guard's skipped steps as last known on the host (see :attr:`LossScaler.skipped_steps_seen`)."""
+        guard = self.guard
+        return 0 if guard is None else guard.skipped_steps_seen
+
+    def skip_aware(self, scheduler: Any) -> SkipAwareScheduler:
+        """``scheduler`` wrapped to follow ``lr_on_skip`` when the optimizer step it follows was skipped.
+
+        Step the wrapper once per ``optimizer.step()``, as you would the scheduler; with
+        ``lr_on_skip="hold"`` it stays put after a skipped step, so the schedule counts the steps
+        the weights took. Everything else (``get_last_lr``, ``state_dict``) is the scheduler's.
+
+        Example:
+            >>> plugin = AMPPrecision("bf16-mixed", device="cpu")
+            >>> opt = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)
+            >>> scheduler = plugin.skip_aware(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+            >>> scheduler.get_last_lr()
+            [1.0]
+        """
+        return SkipAwareScheduler(scheduler, self)
+
+    def metrics(self, grad_norm: Tensor | float | None = None) -> dict[str, float]:
+        """The ``amp/*`` values as Python floats, ready for ``fabric.log_dict(precision.metrics())``.
+
+        ``amp/scale`` (fp16's loss scale), ``amp/skipped_steps``, ``amp/skip_rate`` (skipped steps
+        over all steps of the run), and ``amp/grad_norm`` when ``grad_norm`` is passed (the
+        unscaled norm ``fabric.clip_gradients`` returned; left out when it is NaN). The
+        Trainer's ``LossScaleMonitor`` logs the same keys (its skip rate over a recent window).
+        It reads the scale and the skip count from the device (a sync on CUDA): call it on logging steps.
+
+        Example:
+            >>> AMPPrecision("16-mixed", device="cpu").metrics(grad_norm=0.5)
+            {'amp/scale': 65536.0, 'amp/skipped_steps': 0.0, 'amp/skip_rate': 0.0, 'amp/grad_norm': 0.5}
+        """
+        norm = math.nan if grad_norm is None else float(grad_norm)
+        guard = self.guard
+        if guard is None:
+            return {} if math.isnan(norm) else {"amp/grad_norm": norm}
+        skipped, total = guard.skipped_steps, guard.total_steps
+        scale = math.nan if self.scaler is None else self.scaler.get_scale()
+        return amp_metrics(self.scaler, scale, skipped, skipped / total if total else 0.0, norm, None)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (what Fabric's ``MixedPrecision`` saves) or the guard's, and the rounding's.
+
+        Example:
+            >>> sorted(AMPPrecision("bf16-true", rounding="stochastic", device="cpu").state_dict())
+            ['guard']
+        """
+        state = {} if self.scaler is None else self.scaler.state_dict()
+        guard = self.guard
+        if self.scaler is None and guard is not None:  # the guard's skip counts resume too
+            state["guard"] = guard.state_dict()
+        if self._half is not None:
+            self._half.on_save({}, state)  # the rounding generators (the masters are in the model's)
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s result, or the state of Fabric's ``MixedPrecision`` (a GradScaler's).
+
+        Everything is checked before anything changes.
+        """
+        scaler_state = {k: v for k, v in state_dict.items() if k not in ("guard", "rounding")}
+        guard_state = state_dict.get("guard") if self.scaler is None else None
+        if self.scaler is not None and scaler_state:
+            self.scaler.check_state_dict(scaler_state)
+        if isinstance(guard_state, dict) and guard_state and self.guard is not None:
+            self.guard.check_state_dict(guard_state)
+        if self._half is not None:
+            self._half.check({}, state_dict)
+        if self.scaler is not None and scaler_state:
+            self.scaler.load_state_dict(scaler_state)
+        if isinstance(guard_state, dict) and guard_state and self.guard is not None:
+            self.guard.load_state_dict(guard_state)
+        if self._half is not None:
+            self._half.on_load({}, state_dict)
+
     @override
     def teardown(self) -> None:
+        self._attached.clear()
+        if self._half is not None:
+            self._half.detach()
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None
+
+
+def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor

@@ -209,15 +209,19 @@ def _function_hint(item: object) -> str:
     if isinstance(item, str):
         return f"{item!r} is a name; pass the function itself, e.g. torch.{item.rpartition('.')[2]}."
     if isinstance(item, type):
-        return (f"{item.__name__} is a class; for a module class use fp32_modules=, for its function "
-                "pass the function, e.g. torch.sigmoid.")  # fmt: skip
+        return (
+            f"{item.__name__} is a class; for a module class use fp32_modules=, for its function "
+            "pass the function, e.g. torch.sigmoid."
+        )
     if not callable(item):
         return f"{item!r:.60} is not callable; pass functions such as torch.sigmoid."
     name = getattr(item, "__name__", "")
     in_place = name[:-1] if name.endswith("_") and not name.endswith("__") else _IN_PLACE_DUNDERS.get(name)
     if in_place:
-        return (f"{name} works in place: it would change an fp32 copy of a half tensor, not the tensor. "
-                f"Register the out-of-place function (e.g. {in_place}).")  # fmt: skip
+        return (
+            f"{name} works in place: it would change an fp32 copy of a half tensor, not the tensor. "
+            f"Register the out-of-place function (e.g. {in_place})."
+        )
     if item not in _dispatched():
         return (
             f"torch does not dispatch {item!r:.60} through __torch_function__, so no mode sees its calls; "

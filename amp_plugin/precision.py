@@ -9,6 +9,8 @@ Plain torch: nothing here imports Lightning, and only the device type asked abou
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal, get_args
 
 import torch
@@ -22,8 +24,10 @@ __all__ = [
     "check_device",
     "check_precision",
     "cpu_emulation_note",
+    "default_dtype",
     "native_on_cpu",
     "resolve_precision",
+    "true_dtype",
 ]
 
 Precision = Literal["16-mixed", "bf16-mixed", "auto", "16-true", "bf16-true", "32-true"]
@@ -41,7 +45,10 @@ _DTYPES = {
 _HINTS = {
     **dict.fromkeys(("16", "fp16", "float16", "half", "torch.float16"), "use '16-mixed' for fp16 autocast"),
     **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "use 'bf16-mixed' for bf16 autocast"),
-    "transformer-engine": "for fp8 use Lightning's TransformerEnginePrecision; this plugin does fp16/bf16",
+    **dict.fromkeys(
+        ("transformer-engine", "fp8", "float8", "8-mixed"),
+        "for fp8 matmuls pass precision='bf16-mixed', fp8='tensorwise' (needs torchao: amp_plugin[fp8])",
+    ),
     **dict.fromkeys(("32", "fp32", "float32"), "use '32-true' for fp32 (autocast off)"),
     **dict.fromkeys(("64", "64-true"), "for fp64 drop the AMP plugin and use Trainer(precision='64-true')"),
 }
@@ -237,3 +244,35 @@ def resolve_precision(precision: str, device_type: str | torch.device) -> torch.
             hint=f"use {other}.",
         )
     return dtype
+
+
+def true_dtype(precision: str) -> torch.dtype | None:
+    """The dtype in which a "-true" precision builds and holds the weights; ``None`` for the others.
+
+    Example:
+        >>> true_dtype("bf16-true"), true_dtype("bf16-mixed")
+        (torch.bfloat16, None)
+    """
+    return _DTYPES[precision] if precision in ("16-true", "bf16-true") else None
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make ``dtype`` torch's default floating-point dtype inside the block; restore it after.
+
+    What Lightning's ``HalfPrecision`` does around module creation and forward passes, so that
+    "-true" layers are born in half precision (never an fp32 copy first).
+
+    Example:
+        >>> with default_dtype(torch.bfloat16):
+        ...     torch.ones(1).dtype
+        torch.bfloat16
+        >>> torch.get_default_dtype()
+        torch.float32
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -6,15 +6,17 @@ run of small updates stalls. :class:`RoundedUpdates` wraps an existing optimizer
 ``torch.optim`` optimizer that is not ``fused``) with step hooks:
 
 - ``"nearest"``: no hooks; the optimizer writes in half precision itself (round to nearest).
-- ``"stochastic"``: the step runs on fp32 views of the half parameters (grads and optimizer
-  state stay half), and the result is written back with :func:`~amp_plugin.numerics.stochastic_round`:
-  unbiased, so small updates survive in expectation. Persistent memory is that of pure half
-  training; the fp32 views exist only during the step.
+- ``"stochastic"``: the step runs on fp32 copies that stand in for the half parameters in the
+  param groups (grads and optimizer state stay half), and the result is written back with
+  :func:`~amp_plugin.numerics.stochastic_round`: unbiased, so small updates survive in
+  expectation. Persistent memory is that of pure half training; the fp32 copies exist only
+  during the step. The parameters themselves keep their dtype throughout, so hooks on them and
+  on their gradient accumulators (DDP's all-reduce) stay in place.
 - ``"kahan"``: the same, but the rounding error of each write is kept in a half-precision
   compensation buffer (``optimizer.state[p]["amp_plugin.kahan"]``, so it is checkpointed with
   the optimizer) and added back before the next step: deterministic, 2 more bytes per parameter.
 
-Optimizer state created during a step (in fp32, because the step saw fp32 views) is stored in
+Optimizer state created during a step (in fp32, because the step saw fp32 copies) is stored in
 the parameter's half dtype afterwards, as it would be in pure half training; state the
 optimizer already held keeps its dtype. A skipped step (a loss scaler's overflow) never calls
 the optimizer, so nothing changes.
@@ -88,8 +90,8 @@ class RoundedUpdates:
             )
         self.optimizer = opt
         self._generators: dict[torch.device, torch.Generator] = {}
-        # (parameter, its half storage, its half gradient, the state keys it had before the step)
-        self._pending: list[tuple[Tensor, Tensor, Tensor, set[str]]] = []
+        # (parameter, its fp32 stand-in, the param list holding it, its index there, its state keys before)
+        self._pending: list[tuple[Tensor, Tensor, list[Tensor], int, set[str]]] = []
         self._handles: list[RemovableHandle] = []
         if self.rounding != "nearest":
             self._handles = [
@@ -111,28 +113,40 @@ class RoundedUpdates:
 
     @torch.no_grad()
     def _widen(self) -> None:
-        """Before the step: every half parameter with a gradient gets fp32 ``.data``."""
+        """Before the step: every half parameter with a gradient is stood in for by an fp32 copy.
+
+        The stand-in takes the parameter's place in its param group and its optimizer state for
+        the step. The parameter itself is left alone: changing its ``.data`` to another dtype
+        would make torch build it a new gradient accumulator, dropping the hooks DDP all-reduces
+        from.
+        """
         self._pending.clear()
+        opt_state = self.optimizer.state
         for group in self.optimizer.param_groups:
-            for p in group["params"]:
+            params = group["params"]
+            for index, p in enumerate(params):
                 if p.grad is None or p.dtype not in _HALF:
                     continue
-                state = self.optimizer.state[p]
-                half, grad = p.data, p.grad
-                wide = half.float()
+                state = opt_state.pop(p, {})
+                wide = p.detach().float()
                 if self.rounding == "kahan" and KAHAN_KEY in state:
                     wide.add_(state[KAHAN_KEY])
-                self._pending.append((p, half, grad, set(state)))
-                p.data = wide
-                if not state:  # the optimizer makes its state like the gradient: fp32 this once
-                    p.grad = grad.float()
+                if state:  # the half gradient as it is: the state it meets is half already
+                    wide.grad_dtype = None
+                    wide.grad = p.grad
+                else:  # the optimizer makes its state like the gradient: fp32 this once, then narrowed
+                    wide.grad = p.grad.float()
+                self._pending.append((p, wide, params, index, set(state)))
+                params[index] = wide
+                opt_state[wide] = state
 
     @torch.no_grad()
     def _write_back(self) -> None:
-        """After the step: round the fp32 results into the half storage; narrow new state."""
-        for p, half, grad, keys_before in self._pending:
-            wide = p.data
-            state = self.optimizer.state[p]
+        """After the step: round the fp32 results into the half parameters; narrow new state."""
+        opt_state = self.optimizer.state
+        for p, wide, params, index, keys_before in self._pending:
+            half = p.data
+            state = opt_state.pop(wide)
             if self.rounding == "stochastic":
                 half.copy_(stochastic_round(wide, half.dtype, self._generator(wide.device)))
             else:
@@ -141,8 +155,8 @@ class RoundedUpdates:
                 if comp is None:
                     comp = state[KAHAN_KEY] = torch.empty_like(half)
                 comp.copy_(wide.sub_(half))
-            p.data = half
-            p.grad = grad
+            params[index] = p
+            opt_state[p] = state
             for key, value in state.items():
                 if (
                     key not in keys_before

@@ -239,11 +239,19 @@ class DynamicScale:
         """torch's five keys plus hysteresis, bounds, static mode and the step counts."""
         growth, hyst, skipped = self.trackers()
         return {
-            "scale": self.value(), "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval, "_growth_tracker": growth, "hysteresis": self.hysteresis,
-            "_hysteresis_tracker": hyst, "min_scale": self.min_scale, "max_scale": self.max_scale,
-            "dynamic": self.dynamic, "skipped_steps": skipped, "total_steps": self.total_steps,
-        }  # fmt: skip
+            "scale": self.value(),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": growth,
+            "hysteresis": self.hysteresis,
+            "_hysteresis_tracker": hyst,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "dynamic": self.dynamic,
+            "skipped_steps": skipped,
+            "total_steps": self.total_steps,
+        }
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Validate the whole dict (:func:`~amp_plugin._scaler_rules.checked_state`), then load it."""
@@ -323,4 +331,5 @@ class DynamicScale:
         # The floor changes nothing while the scale is a normal fp32 number above min_scale.
         if track_floor:
             self.floor_step.masked_fill_((scale < self.floor) & (self.floor_step < 0), self.total_steps)
-        scale.clamp_(self.floor, self.max_scale)
+        if track_floor or self.max_scale is not None:  # a clean step only grows the scale: no floor
+            scale.clamp_(self.floor, self.max_scale)

@@ -25,15 +25,14 @@ from torch import Tensor
 
 from amp_plugin import _scaler_rules, clipping, distributed
 from amp_plugin._validation import check_bool, check_int, check_number, fail
-from amp_plugin.distributed import GlobalNormKernels
-from amp_plugin.kernels import Backend, Kernels, get_kernels
+from amp_plugin.kernels import Backend, get_kernels
 from amp_plugin.optim import (
     GRAD_SCALER_KWARG_WARNING,
     gradients_to_unscale,
     step_with_amp_attributes,
     takes_grad_scaler,
     unwrap_optimizer,
-)  # fmt: skip
+)
 from amp_plugin.scale_policy import DynamicScale
 from amp_plugin.sharding import ShardAwareKernels, has_dtensor
 
@@ -200,8 +199,16 @@ class LossScaler:
     ) -> None:
         device_type = _scaler_rules.check_device(device)
         enabled = check_bool("LossScaler", "enabled", enabled)
-        policy = DynamicScale(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-                              min_scale, max_scale, dynamic)  # fmt: skip
+        policy = DynamicScale(
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
+            dynamic,
+        )
         self._kernels_name = _scaler_rules.check_kernels(kernels)
         self._sync_mode = distributed.check_sync_mode(sync_found_inf)
         self.process_group = distributed.check_process_group(process_group, "LossScaler")
@@ -215,7 +222,7 @@ class LossScaler:
             enabled = False
         self._enabled = enabled
         self._policy = policy
-        self._kernels: Kernels | None = None
+        self._kernels: ShardAwareKernels | None = None
         self._iteration = Iteration()
         self._guard_only = _guard_only(policy)
         self._last_skipped: bool | None = None  # last_step_skipped, where update() knew it on the host
@@ -256,8 +263,14 @@ class LossScaler:
                 error=RuntimeError,
             )
         state = grad_scaler.state_dict()
-        scaler = cls(device, state["scale"], state["growth_factor"], state["backoff_factor"],
-                     state["growth_interval"], **options)  # fmt: skip
+        scaler = cls(
+            device,
+            state["scale"],
+            state["growth_factor"],
+            state["backoff_factor"],
+            state["growth_interval"],
+            **options,
+        )
         scaler.load_state_dict(state)
         return scaler
 
@@ -410,8 +423,14 @@ class LossScaler:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (a finite number > 1), effective from the next ``update()``."""
-        self._policy.growth_factor = check_number("LossScaler.set_growth_factor", "new_factor", new_factor,
-                                           low=1.0, low_open=True, hint="2.0 doubles the scale.")  # fmt: skip
+        self._policy.growth_factor = check_number(
+            "LossScaler.set_growth_factor",
+            "new_factor",
+            new_factor,
+            low=1.0,
+            low_open=True,
+            hint="2.0 doubles the scale.",
+        )
 
     def get_backoff_factor(self) -> float:
         """The factor the scale backs off by on overflow."""
@@ -420,9 +439,15 @@ class LossScaler:
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (in (0, 1)), effective from the next ``update()``."""
         self._policy.backoff_factor = check_number(
-            "LossScaler.set_backoff_factor", "new_factor", new_factor,
-            low=0.0, high=1.0, low_open=True, high_open=True, hint="0.5 halves the scale on overflow.",
-        )  # fmt: skip
+            "LossScaler.set_backoff_factor",
+            "new_factor",
+            new_factor,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+            hint="0.5 halves the scale on overflow.",
+        )
 
     def get_growth_interval(self) -> int:
         """Clean steps in a row before the scale grows."""
@@ -469,7 +494,15 @@ class LossScaler:
         norm_type = _scaler_rules.check_norm_type(call, norm_type)
         error_if_nonfinite = check_bool(call, "error_if_nonfinite", error_if_nonfinite)
         sharded = check_bool(call, "sharded", sharded)
-        opt = unwrap_optimizer(optimizer)
+        return self._clip_grad_norm(
+            unwrap_optimizer(optimizer), max_norm, norm_type, error_if_nonfinite, sharded
+        )
+
+    def _clip_grad_norm(
+        self, opt: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool, sharded: bool
+    ) -> Tensor:
+        """:meth:`clip_grad_norm_` on an unwrapped optimizer with checked arguments (the step driver's)."""
+        call = "LossScaler.clip_grad_norm_"
         grads = clipping.gradients(opt.param_groups)
         if sharded and has_dtensor(grads):
             fail(
@@ -481,9 +514,11 @@ class LossScaler:
                     "sharded=True is for plain tensors that hold one rank's shard (FSDP1, ZeRO)."
                 ),
             )
-        kernels = GlobalNormKernels(self._backend(), self.process_group) if sharded else None
+        kernels = self._backend()
+        if sharded:  # plain tensors holding this rank's shard: the norm is reduced over the group
+            kernels = ShardAwareKernels(kernels.inner, sharded=True, group=self.process_group)
         if not self._enabled:
-            return clipping.clip_grad_norm_(kernels or self._backend(), grads, max_norm, norm_type).total_norm
+            return clipping.clip_grad_norm_(kernels, grads, max_norm, norm_type).total_norm
         state = self._clippable_state(opt, call)
         ready = state.stage is Stage.READY
         carried = self._carried_factor(opt) if ready else state.grad_scale
@@ -491,9 +526,14 @@ class LossScaler:
         # in-place multiply is torch's own recipe, bit for bit.
         fold = carried is not None and _fused(opt)
         result = clipping.clip_grad_norm_(
-            kernels or self._backend(), grads, max_norm, norm_type,
-            grad_scale=carried, fold=fold, error_if_nonfinite=error_if_nonfinite,
-        )  # fmt: skip
+            kernels,
+            grads,
+            max_norm,
+            norm_type,
+            grad_scale=carried,
+            fold=fold,
+            error_if_nonfinite=error_if_nonfinite,
+        )
         state.merge_inf(result.found_inf, agreed=sharded)  # a global norm is agreed already
         state.stage, state.grad_scale = Stage.UNSCALED, result.grad_scale
         return result.total_norm
@@ -513,8 +553,9 @@ class LossScaler:
 
     def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
         """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
-        clip_value = check_number("LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0,
-                                  hint="e.g. clip_value=0.5.")  # fmt: skip
+        clip_value = check_number(
+            "LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0, hint="e.g. clip_value=0.5."
+        )
         opt = unwrap_optimizer(optimizer)
         grads = clipping.gradients(opt.param_groups)
         if self._enabled:
@@ -676,7 +717,7 @@ class LossScaler:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _backend(self) -> Kernels:
+    def _backend(self) -> ShardAwareKernels:
         if self._kernels is None:
             scale = self._policy.scale
             kernels = get_kernels(self._kernels_name, None if scale is None else scale.device)

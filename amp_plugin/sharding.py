@@ -10,7 +10,9 @@ scaler agrees on it across ranks (one all-reduce, ``LossScaler(sync_found_inf=..
 the norm sums the local shards' contributions over the mesh dimensions the tensors are
 sharded on, so that it is the norm of the whole model on every rank.
 
-Plain tensors pass through unchanged. Nothing here imports ``torch.distributed.tensor``: a
+Plain tensors pass through unchanged, unless they are themselves one rank's shard of the
+gradients (FSDP1, ZeRO: ``ShardAwareKernels(kernels, sharded=True)``): then their norm is
+reduced over the process group too. Nothing here imports ``torch.distributed.tensor``: a
 process that never imported it holds no DTensor.
 """
 
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 
 from amp_plugin._validation import fail
-from amp_plugin.distributed import global_norm
+from amp_plugin.distributed import _check_group, global_norm
 from amp_plugin.kernels import Kernels
 
 __all__ = ["ShardAwareKernels", "has_dtensor", "local_shards", "shard_groups"]
@@ -43,7 +45,7 @@ def has_dtensor(tensors: Sequence[Tensor]) -> bool:
         False
     """
     dtensor = _dtensor_type()
-    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+    return dtensor is not None and any([isinstance(t, dtensor) for t in tensors])
 
 
 def local_shards(tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -102,6 +104,11 @@ class ShardAwareKernels:
     combines its ``(device, dtype)`` groups. Lists without a ``DTensor`` go straight to the
     wrapped backend, so results on plain tensors are bit-identical to it.
 
+    With ``sharded=True`` plain tensors are this rank's shard of gradients split over ``group``
+    (FSDP1, ZeRO; ``LossScaler.clip_grad_norm_(..., sharded=True)``): their norm is reduced over
+    ``group`` (``None``: the default group), so the norm, the clip factor and the inf flag
+    derived from it are the same on every rank.
+
     Example:
         >>> from amp_plugin.kernels import get_kernels
         >>> k = ShardAwareKernels(get_kernels("torch"))
@@ -109,9 +116,19 @@ class ShardAwareKernels:
         ('torch', 5.0)
     """
 
-    def __init__(self, kernels: Kernels) -> None:
+    def __init__(self, kernels: Kernels, *, sharded: bool = False, group: Any = None) -> None:
+        if not all(callable(getattr(kernels, op, None)) for op in ("unscale_", "norm", "mul_")):
+            fail(
+                "ShardAwareKernels",
+                passed=f"kernels={kernels!r:.80}",
+                allowed="a kernel backend (unscale_, norm and mul_)",
+                hint="pass amp_plugin.get_kernels('auto').",
+                error=TypeError,
+            )
         self.inner = kernels
         self.name = kernels.name
+        self.sharded = sharded
+        self.group = _check_group(group, "ShardAwareKernels")
 
     def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
         self.inner.unscale_(local_shards(tensors), inv_scale, found_inf)
@@ -121,7 +138,8 @@ class ShardAwareKernels:
 
     def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor:
         if not has_dtensor(tensors):
-            return self.inner.norm(tensors, norm_type, exact)
+            norm = self.inner.norm(tensors, norm_type, exact)
+            return global_norm(norm, norm_type, self.group) if self.sharded else norm
         by_groups: dict[tuple[Any, ...], list[Tensor]] = {}
         for tensor in tensors:
             by_groups.setdefault(shard_groups(tensor), []).append(tensor)

@@ -32,8 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_plugin import clipping
+from amp_plugin.kernels import Backend, get_kernels
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.scaler import LossScaler
+from amp_plugin.sharding import ShardAwareKernels
 
 __all__ = ["StepDriver"]
 
@@ -48,6 +51,7 @@ class StepDriver:
             (only where the user turned the guard off).
         before_step: called with the real optimizer before anything reads its gradients
             (e.g. moving half gradients into fp32 master weights).
+        kernels: the kernel backend of the clips and norms when no scaler runs.
 
     Example:
         >>> import torch
@@ -63,9 +67,15 @@ class StepDriver:
         (True, 1, 2)
     """
 
-    def __init__(self, scaler: LossScaler | None, before_step: Callable[[Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        scaler: LossScaler | None,
+        before_step: Callable[[Any], None] | None = None,
+        kernels: Backend = "auto",
+    ) -> None:
         self.scaler = scaler
         self.before_step = before_step
+        self.kernels = kernels
         self._skips: dict[int, Skip] = {}  # id(real optimizer) -> whether its latest step was skipped
         self._last: Skip | None = None  # the latest step's flag, until the batch's scale update
         self._stepped_since_backward: set[int] = set()  # optimizers that may not step again yet
@@ -136,6 +146,32 @@ class StepDriver:
         if self._stepped_in_batch:
             self._stepped_in_batch = False
             self._update()
+
+    def clip_grad_norm_(self, optimizer: Any, max_norm: float) -> Tensor:
+        """Clip by the unscaled total norm (through the scaler: no extra pass for its check); return it."""
+        opt = unwrap_optimizer(optimizer)
+        if self.scaler is not None:
+            return self.scaler._clip_grad_norm(opt, max_norm, 2.0, False, False)
+        grads = clipping.gradients(opt.param_groups)
+        return clipping.clip_grad_norm_(self._kernels_for(grads), grads, max_norm).total_norm
+
+    def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
+        """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
+        if self.scaler is not None:
+            self.scaler.clip_grad_value_(optimizer, clip_value)
+            return
+        params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
+        torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    def grad_norm(self, optimizer: Any) -> Tensor:
+        """The total norm of the unscaled gradients, leaving them as they are (one read)."""
+        if self.scaler is not None:
+            return self.scaler.grad_norm(optimizer)
+        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
+        return self._kernels_for(grads).norm(grads)
+
+    def _kernels_for(self, grads: list[Tensor]) -> ShardAwareKernels:
+        return ShardAwareKernels(get_kernels(self.kernels, grads[0].device if grads else None))
 
     @property
     def last_step_skipped(self) -> bool:

@@ -300,14 +300,14 @@ def _fabric_speed(p: dict[str, Any]) -> Summary:
             ]
         )
     bars = Bars(
-        "amp_plugin.fabric.AMPPrecision vs Fabric MixedPrecision",
+        "amp_plugin.fabric.AMPPrecision vs Fabric's MixedPrecision / HalfPrecision",
         "steps/s ratio",
         labels,
         [r["ratio"] for r in p["rows"]],
         1.0,
         "parity",
     )
-    headers = ["model, precision", "AMPPrecision steps/s", "MixedPrecision steps/s", "ratio", "range"]
+    headers = ["model, precision", "AMPPrecision steps/s", "Fabric's plugin steps/s", "ratio", "range"]
     return Summary([Table(headers, rows)], bars)
 
 

@@ -1,4 +1,4 @@
-"""Training steps/s in Lightning Fabric: amp_plugin.fabric.AMPPrecision vs Fabric's own MixedPrecision.
+"""Training steps/s in Lightning Fabric: amp_plugin.fabric.AMPPrecision vs Fabric's own plugins.
 
 Each row trains the same model with the same data under both plugins, in paired rounds: a
 round times ``--steps`` optimizer steps (forward, ``fabric.backward``, optionally
@@ -6,8 +6,10 @@ round times ``--steps`` optimizer steps (forward, ``fabric.backward``, optionall
 alternating. The reported ratio is the median over rounds of AMPPrecision's steps/s over
 MixedPrecision's in the same round (above 1: AMPPrecision is faster). fp16 rows drive a
 ``LossScaler`` against a ``torch.amp.GradScaler``; bf16 rows have no scaler, so they measure
-the autocast and step plumbing alone. The scale never grows while timing (growth interval
-far beyond the run), and no step overflows.
+the autocast and step plumbing and the guard's check alone. ``bf16-true`` rows hold the weights
+in bf16 and compare against Fabric's ``HalfPrecision`` (no check at all): the cost of the guard
+on pure-bf16 training. The scale never grows while timing (growth interval far beyond the run),
+and no step overflows.
 
 Run ``python benchmarks/fabric_speed.py --help`` for the options.
 """
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 from _common import Case, default_device, environment, format_table, measure, median_ms, write_json
 from lightning.fabric import Fabric
-from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 from torch import nn
 
 from amp_plugin import LossScaler
@@ -39,7 +41,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     add = parser.add_argument
     add("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "small"])
-    add("--precisions", nargs="+", choices=("16-mixed", "bf16-mixed"), default=["16-mixed", "bf16-mixed"])
+    precisions = ("16-mixed", "bf16-mixed", "bf16-true")
+    add("--precisions", nargs="+", choices=precisions, default=list(precisions))
     add("--steps", type=int, help=f"optimizer steps per timed sample (default {FULL['steps']})")
     add("--rounds", type=int, help=f"paired timed rounds per row (default {FULL['rounds']})")
     add("--warmup", type=int, help=f"untimed rounds first (default {FULL['warmup']})")
@@ -59,10 +62,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def plugin_for(kind: str, precision: str, device: str) -> Any:
-    """AMPPrecision ("amp") or Fabric's MixedPrecision ("fabric"), with the same scaler settings."""
+    """AMPPrecision ("amp") or Fabric's own plugin ("fabric"), with the same scaler settings."""
     if kind == "amp":
         scaler = LossScaler(device, growth_interval=GROWTH_INTERVAL) if precision == "16-mixed" else None
         return AMPPrecision(precision, device=device, scaler=scaler)  # type: ignore[arg-type]
+    if precision == "bf16-true":
+        return HalfPrecision("bf16-true")
     fp16 = precision == "16-mixed"
     grad_scaler = torch.amp.GradScaler(device, growth_interval=GROWTH_INTERVAL) if fp16 else None
     return MixedPrecision(precision, device, grad_scaler)  # type: ignore[arg-type]
@@ -115,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for precision in args.precisions
         for clip in (False, True)
     ]
-    headers = ["model", "precision", "clip", "AMPPrecision steps/s", "MixedPrecision steps/s", "ratio"]
+    headers = ["model", "precision", "clip", "AMPPrecision steps/s", "Fabric's plugin steps/s", "ratio"]
     headers.append("range")
     table = [
         [r["model"], r["precision"], "yes" if r["clip"] else "no", f"{r['amp_steps_per_s']:.1f}",
@@ -123,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for r in rows
     ]  # fmt: skip
     print(format_table(headers, table))
-    print(f"ratio: median over {args.rounds} paired rounds of AMPPrecision / MixedPrecision steps/s")
+    print(f"ratio: median over {args.rounds} paired rounds of AMPPrecision / Fabric's steps/s")
+    print("Fabric's plugin: MixedPrecision for '-mixed' rows, HalfPrecision for 'bf16-true'")
     payload = {"benchmark": "fabric_speed", "environment": environment(args.device), "args": vars(args),
                "rows": rows}  # fmt: skip
     if args.json:

@@ -42,6 +42,7 @@ QUICK_ARGS: dict[str, str] = {
     "fp32_functions.py": "--quick",
     "compile_speed.py": "--quick --setups bf16 fp16",
     "fabric_speed.py": "--quick --models tiny --rounds 1 --steps 2",
+    "fp8.py": "--quick",
 }
 # Sizes for about ten minutes on a busy 2-core machine.
 SMALL_ARGS: dict[str, str] = {
@@ -55,6 +56,7 @@ SMALL_ARGS: dict[str, str] = {
     "fp32_functions.py": "--repeats 25",
     "compile_speed.py": "--rounds 3",
     "fabric_speed.py": "--rounds 11",
+    "fp8.py": "",
 }
 
 

@@ -150,7 +150,7 @@ def test_a_mistyped_option_is_reported_by_its_subcommand(
     assert err.startswith("usage: amp-plugin doctor ")  # the subcommand's usage, not the top level's
     wrong = argv[-1]
     assert f"amp-plugin doctor: error: unrecognized arguments: {wrong} (doctor does not know {wrong!r}" in err
-    assert "its options: -h/--help, --model MODULE:FACTORY, --json, --no-measure, --ops)" in err
+    assert "its options: -h/--help, --model MODULE:FACTORY, --json, --no-measure, --ops, --fp8 RECIPE)" in err
     assert hint in err and ("HINT" in err) == bool(hint)
 
 

@@ -29,7 +29,6 @@ from torch.nn.parallel import DistributedDataParallel
 from amp_plugin import LossScaler
 from amp_plugin.consistency import ConsistencyCheck, check_consistency
 from amp_plugin.distributed import (
-    GlobalNormKernels,
     all_reduce_found_inf,
     check_process_group,
     check_sync_mode,
@@ -37,6 +36,7 @@ from amp_plugin.distributed import (
     sync_enabled,
 )
 from amp_plugin.kernels import get_kernels
+from amp_plugin.sharding import ShardAwareKernels
 from tests._ranks import leave_group, run_then_exit
 
 WORLD = 2
@@ -369,7 +369,7 @@ def test_without_a_process_group_nothing_is_reduced() -> None:
     model, _ = _scaled_grads(LossScaler())
     check_consistency(LossScaler(), model)
     check_consistency(None, model.parameters())
-    assert GlobalNormKernels(get_kernels("torch")).name == "torch+global-norm"
+    assert ShardAwareKernels(get_kernels("torch"), sharded=True).name == "torch"
 
 
 def test_sync_true_without_a_process_group_raises() -> None:
@@ -412,7 +412,7 @@ def test_a_group_that_is_not_a_process_group_is_refused_by_every_entry_point(gro
         ("sync_enabled", lambda: sync_enabled("auto", group)),
         ("all_reduce_found_inf", lambda: all_reduce_found_inf(torch.zeros(1), group)),
         ("global_norm", lambda: global_norm(torch.tensor(1.0), 2.0, group)),
-        ("GlobalNormKernels", lambda: GlobalNormKernels(get_kernels("torch"), group)),
+        ("ShardAwareKernels", lambda: ShardAwareKernels(get_kernels("torch"), sharded=True, group=group)),
         ("check_consistency", lambda: check_consistency(None, model, group=group)),
         ("ConsistencyCheck", lambda: ConsistencyCheck(10, group=group)),
     ]
@@ -448,8 +448,8 @@ def test_a_group_that_is_not_a_process_group_is_refused_by_every_entry_point(gro
         (lambda: global_norm(torch.tensor(5.0), float("nan")), ValueError, r"^global_norm\(norm_type=nan\)"),
         (lambda: all_reduce_found_inf(1.0), TypeError,  # type: ignore[arg-type]
          r"^all_reduce_found_inf\(found_inf=float\) is not allowed: a one-element floating-point tensor"),
-        (lambda: GlobalNormKernels("torch"), TypeError,  # type: ignore[arg-type]
-         r"^GlobalNormKernels\(kernels='torch'\) is not allowed: a kernel backend.*HINT: .*get_kernels"),
+        (lambda: ShardAwareKernels("torch"), TypeError,  # type: ignore[arg-type]
+         r"^ShardAwareKernels\(kernels='torch'\) is not allowed: a kernel backend.*HINT: .*get_kernels"),
     ],
 )  # fmt: skip
 def test_consistency_check_rejects_bad_arguments(

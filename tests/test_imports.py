@@ -30,7 +30,8 @@ def test_apex_probe_follows_amp_c() -> None:
 
 def test_probing_imports_nothing_until_asked() -> None:
     code = (
-        "import sys, amp_plugin._imports; banned = ('amp_C', 'apex', 'matplotlib', 'lightning'); "
+        "import sys, amp_plugin._imports; "
+        "banned = ('amp_C', 'apex', 'matplotlib', 'lightning', 'torchao'); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in banned))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

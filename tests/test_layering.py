@@ -33,8 +33,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "core",
         _in_package(
             "optim scaler _scaler_rules _iteration scale_policy clipping sharding distributed consistency "
-            "precision autocast fp32_policy numerics master_weights rounded_updates opt_levels "
-            "diagnostics diagnostics.*"
+            "precision autocast fp32_policy numerics master_weights rounded_updates half_weights schedulers "
+            "fp8 diagnostics diagnostics.*"
         ),
     ),
     ("step", _in_package("step")),

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from amp_plugin.autocast import autocast_state
-from amp_plugin.precision import auto_precision_reason, check_device, resolve_precision
+from amp_plugin.precision import auto_precision_reason, check_device, check_precision, resolve_precision
 
 # ---------------------------------------------------------------- precision strings
 
@@ -180,3 +180,9 @@ def test_dtype_the_backend_does_not_support_raises(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match=r"needs torch\.float16 autocast.*HINT: use 'bf16-mixed'"):
         resolve_precision("16-mixed", backend)
     assert resolve_precision("auto", backend) == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["fp8", "transformer-engine"])
+def test_an_fp8_precision_string_points_at_the_fp8_argument(name: str) -> None:
+    with pytest.raises(ValueError, match=r"HINT: .*fp8='tensorwise'"):
+        check_precision(name)

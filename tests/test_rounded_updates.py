@@ -60,6 +60,28 @@ def test_state_is_made_in_half_and_weights_stay_half(opt_name: str) -> None:
     assert tensors and all(v.dtype == torch.bfloat16 for v in tensors.values()), tensors
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_a_step_keeps_the_hooks_on_the_parameters_gradient_accumulator(rounding: str) -> None:
+    """DDP all-reduces from hooks on each parameter's gradient accumulator; a step must not replace it.
+
+    Swapping ``p.data`` for an fp32 tensor during the step (and back) made torch build a new
+    accumulator, so under DDP only the first step's gradients were averaged and the ranks drifted apart.
+    """
+    w = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    RoundedUpdates(opt, rounding)  # type: ignore[arg-type]
+    fired: list[int] = []
+    accumulator = w.view_as(w).grad_fn.next_functions[0][0]
+    accumulator.register_hook(lambda *_: fired.append(1))
+    for step in range(3):
+        (w.float() * (step + 1)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert fired == [1, 1, 1]
+    assert w.view_as(w).grad_fn.next_functions[0][0] is accumulator
+    assert w.dtype == torch.bfloat16 and set(opt.state) == {w}  # the state stays keyed by the parameter
+
+
 def test_kahan_keeps_its_compensation_in_the_optimizer_state() -> None:
     w = nn.Parameter(torch.ones(4, dtype=torch.float16))
     opt = torch.optim.SGD([w], lr=1e-4)

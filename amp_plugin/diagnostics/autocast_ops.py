@@ -124,11 +124,16 @@ class AutocastOps:
             "device": self.device,
             "dtype": _name(self.dtype),
             "rows": [
-                {"op": r.op, "category": r.category, "from_fp32": _name(r.from_fp32),
-                 "from_half": _name(r.from_half), "error": r.error}
+                {
+                    "op": r.op,
+                    "category": r.category,
+                    "from_fp32": _name(r.from_fp32),
+                    "from_half": _name(r.from_half),
+                    "error": r.error,
+                }
                 for r in self.rows
             ],
-        }  # fmt: skip
+        }
 
 
 def probe_autocast_ops(device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> AutocastOps:

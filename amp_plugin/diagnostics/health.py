@@ -172,10 +172,14 @@ class SkipHealth:
     def state_dict(self) -> dict[str, Any]:
         """Counters, recent flags and state as plain values (``torch.load(weights_only=True)`` reads them)."""
         return {
-            "state": self.state, "steps": self.steps, "skipped": self.skipped,
-            "warmup_skipped": self.warmup_skipped, "consecutive": self.consecutive,
-            "scale": self.scale, "flags": list(self.flags),
-        }  # fmt: skip
+            "state": self.state,
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "warmup_skipped": self.warmup_skipped,
+            "consecutive": self.consecutive,
+            "scale": self.scale,
+            "flags": list(self.flags),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (the policy stays this object's).
@@ -212,10 +216,22 @@ def validate_policy(
         owner, "warmup_steps", warmup_steps, low=0, hint="100 covers a scale calibrating down from 2**16."
     )
     check_int(owner, "window", window, low=1, hint="200 steps is the default.")
-    check_int(owner, "max_consecutive_skips", consecutive, low=1,
-              hint="10 is the default; with LossScaler(hysteresis=h) allow well over h.")  # fmt: skip
-    check_number(owner, "max_skip_rate", rate, low=0.0, low_open=True, high=1.0,
-                 hint="0.05 flags runs that skip over 5% of steps.")  # fmt: skip
+    check_int(
+        owner,
+        "max_consecutive_skips",
+        consecutive,
+        low=1,
+        hint="10 is the default; with LossScaler(hysteresis=h) allow well over h.",
+    )
+    check_number(
+        owner,
+        "max_skip_rate",
+        rate,
+        low=0.0,
+        low_open=True,
+        high=1.0,
+        hint="0.05 flags runs that skip over 5% of steps.",
+    )
 
 
 def validate_monitor_options(on_pathological: object, trace_nonfinite: object, plot_path: object) -> None:
@@ -233,8 +249,13 @@ def validate_monitor_options(on_pathological: object, trace_nonfinite: object, p
         ValueError: LossScaleMonitor(on_pathological='stop') is not allowed: one of 'warn', 'raise'. HINT: ...
     """
     call = "LossScaleMonitor"
-    check_choice(call, "on_pathological", on_pathological, ("warn", "raise"),
-                 "'raise' stops training with the history in the error.")  # fmt: skip
+    check_choice(
+        call,
+        "on_pathological",
+        on_pathological,
+        ("warn", "raise"),
+        "'raise' stops training with the history in the error.",
+    )
     check_bool(call, "trace_nonfinite", trace_nonfinite)
     if plot_path is not None and not isinstance(plot_path, (str, os.PathLike)):
         fail(

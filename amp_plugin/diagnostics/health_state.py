@@ -171,9 +171,14 @@ def check_health_state(state: object, call: str, where: str = "") -> dict[str, A
     if ending == len(flags) and consecutive < ending:
         entries.bad("consecutive", f"at least {ending}: every one of the flags is a skipped step")
     return {
-        "state": values["state"], "steps": steps, "skipped": skipped, "warmup_skipped": warmup_skipped,
-        "consecutive": consecutive, "scale": scale, "flags": flags,
-    }  # fmt: skip
+        "state": values["state"],
+        "steps": steps,
+        "skipped": skipped,
+        "warmup_skipped": warmup_skipped,
+        "consecutive": consecutive,
+        "scale": scale,
+        "flags": flags,
+    }
 
 
 def check_records(records: object, call: str) -> list[ScaleRecord]:

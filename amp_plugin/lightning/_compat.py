@@ -18,12 +18,25 @@ upgrade that renames one fails there rather than in a user's run. Also relied up
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
+from torch import Tensor
 
-__all__ = ["after_closure", "attached_trainer", "epoch_training_done", "logged_step", "should_update_logs"]
+__all__ = [
+    "after_closure",
+    "attached_trainer",
+    "before_backward_hooks",
+    "called_by_fabric",
+    "epoch_training_done",
+    "init_fsdp_precision",
+    "logged_step",
+    "set_fabric_input_dtype",
+    "should_update_logs",
+]
 
 
 def attached_trainer(module: LightningModule) -> Trainer | None:
@@ -40,7 +53,7 @@ def attached_trainer(module: LightningModule) -> Trainer | None:
 
 
 def after_closure(precision: Precision, model: LightningModule, optimizer: Any) -> None:
-    """Run Lightning's own ``Precision._after_closure``: ``on_before_optimizer_step`` hooks, then clipping.
+    """Run the plugin's ``_after_closure`` (Lightning's): ``on_before_optimizer_step`` hooks, then clipping.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -56,7 +69,48 @@ def after_closure(precision: Precision, model: LightningModule, optimizer: Any) 
         >>> after_closure(trainer.precision_plugin, model, trainer.optimizers[0])
         on_before_optimizer_step
     """
-    Precision._after_closure(precision, model, optimizer)
+    precision._after_closure(model, optimizer)
+
+
+def before_backward_hooks(precision: Precision, loss: Tensor, module: LightningModule) -> None:
+    """Run the ``on_before_backward`` hooks (callbacks, then the module) with the unscaled ``loss``.
+
+    Lightning's base ``Precision.pre_backward``, which calls its private ``call._call_*_hook``
+    helpers; ``MixedPrecision.pre_backward`` would also scale the loss with its GradScaler.
+    """
+    Precision.pre_backward(precision, loss, module)
+
+
+def called_by_fabric() -> bool:
+    """Whether the caller's caller is Lightning Fabric's own code (``Fabric.setup`` and the like).
+
+    Reads the calling frame's module name (``lightning.fabric...`` or ``lightning_fabric...``): a
+    Trainer precision plugin handed to ``Fabric(plugins=...)`` can refuse at ``setup`` while a
+    direct call (a test, a script) still works.
+
+    Example:
+        >>> called_by_fabric()
+        False
+    """
+    name = str(sys._getframe(2).f_globals.get("__name__", ""))
+    return name.startswith(("lightning.fabric", "lightning_fabric"))
+
+
+def set_fabric_input_dtype(plugin: Any, dtype: torch.dtype) -> None:
+    """Set what Fabric's ``MixedPrecision.__init__`` sets as ``_desired_input_dtype``.
+
+    Fabric's throughput utilities (``_plugin_to_compute_dtype``, behind ``ThroughputMonitor``'s
+    FLOPs) read it from any ``MixedPrecision``; ``amp_plugin.fabric.AMPPrecision`` does not run
+    that ``__init__`` (it takes only the "-mixed" strings and builds a torch GradScaler).
+
+    Example:
+        >>> from lightning.fabric.plugins import MixedPrecision
+        >>> plugin = MixedPrecision("bf16-mixed", "cpu")
+        >>> set_fabric_input_dtype(plugin, torch.float16)
+        >>> plugin._desired_input_dtype
+        torch.float16
+    """
+    plugin._desired_input_dtype = dtype
 
 
 def should_update_logs(trainer: Trainer) -> bool:
@@ -98,3 +152,22 @@ def epoch_training_done(trainer: Trainer) -> bool:
         True
     """
     return bool(trainer.fit_loop.epoch_loop._is_training_done)
+
+
+def init_fsdp_precision(plugin: FSDPPrecision, precision: str, scaler: Any) -> None:
+    """Run ``FSDPPrecision.__init__`` on ``plugin`` and keep ``scaler`` (a ``LossScaler`` or ``None``).
+
+    Lightning 2.6's ``FSDPPrecision.__init__`` checks ``self.precision`` (still the class
+    default, ``"32-true"``) before it sets it, so it refuses any scaler, and it then stores
+    ``None`` (or a new ``ShardedGradScaler``) instead of the scaler passed. The precision is set
+    first, so the check sees the real one and no ``ShardedGradScaler`` is built; the scaler after.
+
+    Example:
+        >>> plugin = FSDPPrecision.__new__(FSDPPrecision)
+        >>> init_fsdp_precision(plugin, "16-mixed", "my scaler")
+        >>> plugin.precision, plugin.scaler
+        ('16-mixed', 'my scaler')
+    """
+    plugin.precision = precision  # type: ignore[assignment]
+    FSDPPrecision.__init__(plugin, precision, scaler=scaler)  # type: ignore[arg-type]
+    plugin.scaler = scaler

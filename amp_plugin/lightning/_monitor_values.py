@@ -20,9 +20,13 @@ __all__ = ["amp_metrics", "publish"]
 
 
 def amp_metrics(
-    scaler: LossScaler | None, scale: float, skipped: int, skip_rate: float, grad_norm: float,
+    scaler: LossScaler | None,
+    scale: float,
+    skipped: int,
+    skip_rate: float,
+    grad_norm: float,
     clip: tuple[GradClipAlgorithmType, float] | None,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """The ``amp/*`` metrics of one step; ``nan`` means not known (that key is left out).
 
     Example:

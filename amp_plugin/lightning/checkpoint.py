@@ -8,17 +8,23 @@ written by Lightning's ``MixedPrecision`` (under its class name, or the pre-2.0
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
 from amp_plugin.scaler import LossScaler
 
+if TYPE_CHECKING:
+    from amp_plugin.half_weights import HalfWeights
+
 __all__ = [
     "CHECKPOINT_KEY",
+    "check_entry",
     "check_scaler_state",
     "checkpoint_entry",
+    "load_entry",
     "load_scaler_state",
+    "save_entry",
     "scaler_state",
 ]
 
@@ -105,3 +111,80 @@ def load_scaler_state(scaler: LossScaler | None, state_dict: dict[str, Any]) -> 
             "The checkpoint holds a loss-scaler state, but this bf16 run has no scaler: ignored.",
             stacklevel=5,
         )
+
+
+def save_entry(
+    checkpoint: dict[str, Any],
+    precision: str,
+    scaler: LossScaler | None,
+    guard: LossScaler | None,
+    half: HalfWeights | None,
+) -> None:
+    """Write the plugin's entry: precision, the scaler state (or a bf16/fp32 guard's), the half weights'.
+
+    Example:
+        >>> checkpoint = {}
+        >>> save_entry(checkpoint, "bf16-mixed", None, LossScaler("cpu", init_scale=1.0, dynamic=False), None)
+        >>> sorted(checkpoint[CHECKPOINT_KEY])
+        ['guard', 'precision', 'scaler']
+    """
+    entry = checkpoint_entry(precision, scaler)
+    if scaler is None and guard is not None:  # bf16/fp32: the guard's skip counts resume too
+        entry["guard"] = guard.state_dict()
+    checkpoint[CHECKPOINT_KEY] = entry
+    if half is not None:
+        half.on_save(checkpoint, entry)
+
+
+def check_entry(
+    checkpoint: dict[str, Any], scaler: LossScaler | None, guard: LossScaler | None, half: HalfWeights | None
+) -> None:
+    """Raise ``ValueError`` if any part of the plugin's entry would not load; change nothing.
+
+    Example:
+        >>> check_entry({CHECKPOINT_KEY: {"scaler": 3}}, LossScaler("cpu"), None, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: The checkpoint's 'amp_plugin' entry is dict ...; ... HINT: ...
+    """
+    check_scaler_state(checkpoint, scaler)
+    guard_state = _guard_state(checkpoint, scaler, guard)
+    if guard_state is not None and guard is not None:
+        guard.check_state_dict(guard_state)
+    if half is not None:
+        half.check(checkpoint, checkpoint.get(CHECKPOINT_KEY))
+
+
+def load_entry(
+    checkpoint: dict[str, Any], scaler: LossScaler | None, guard: LossScaler | None, half: HalfWeights | None
+) -> None:
+    """Check the whole entry (:func:`check_entry`), then load the half weights', the scaler's, the guard's.
+
+    Example:
+        >>> scaler = LossScaler("cpu")
+        >>> checkpoint = {}
+        >>> save_entry(checkpoint, "16-mixed", LossScaler("cpu", init_scale=8.0), None, None)
+        >>> load_entry(checkpoint, scaler, scaler, None)
+        >>> scaler.get_scale()
+        8.0
+    """
+    check_entry(checkpoint, scaler, guard, half)
+    if half is not None:
+        half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))
+    state = scaler_state(checkpoint)
+    if state is not None:
+        load_scaler_state(scaler, state)
+    guard_state = _guard_state(checkpoint, scaler, guard)
+    if guard_state is not None and guard is not None:
+        guard.load_state_dict(guard_state)
+
+
+def _guard_state(
+    checkpoint: dict[str, Any], scaler: LossScaler | None, guard: LossScaler | None
+) -> dict[str, Any] | None:
+    """The bf16/fp32 guard's state in the checkpoint, where this run has a guard and no scaler."""
+    entry = checkpoint.get(CHECKPOINT_KEY)
+    if scaler is not None or guard is None or not isinstance(entry, dict):
+        return None
+    state = entry.get("guard")
+    return state if isinstance(state, dict) and state else None

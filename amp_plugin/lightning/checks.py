@@ -256,9 +256,13 @@ def check_fit_start(
         _check_fp16_eps(optimizers)
     # With master weights or "-true" precisions the half parameters are the plugin's own doing.
     findings = diagnostics.check_optimizer_setup(
-        model, optimizers, device_type=device, dtype=dtype, grad_scaling=grad_scaling,
+        model,
+        optimizers,
+        device_type=device,
+        dtype=dtype,
+        grad_scaling=grad_scaling,
         master_weights=weights != "fp32",
-    )  # fmt: skip
+    )
     errors = [f.message for f in findings if f.severity == "error"]
     if errors:
         raise ValueError("AMPPrecision found problems at fit start:\n- " + "\n- ".join(errors))
@@ -280,10 +284,13 @@ def _check_masters(model: nn.Module, optimizers: list[Optimizer]) -> None:
     for i, optimizer in enumerate(optimizers):
         opt = unwrap_optimizer(optimizer)
         bare = [
-            p for group in opt.param_groups for p in group["params"]
-            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)
+            p
+            for group in opt.param_groups
+            for p in group["params"]
+            if p.requires_grad
+            and p.dtype in (torch.float16, torch.bfloat16)
             and (masters is None or masters.master_of(p) is None)
-        ]  # fmt: skip
+        ]
         if bare:
             raise ValueError(
                 f"AMPPrecision(master_weights=True): optimizer {i} ({type(opt).__name__}) steps "

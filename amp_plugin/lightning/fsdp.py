@@ -7,7 +7,9 @@ fused optimizer (``AdamW(fused=True)``) Lightning skips ``unscale_``, the inf ch
 inside ``step`` without the all-reduce, and a rank whose shard overflowed skips while the
 others step. This subclass carries a ``LossScaler`` instead, which agrees on the flag on
 every path, and clips by the norm of all shards (``FSDPPrecision`` refuses norm clipping).
-Every other behaviour (autocast, dtypes, the FSDP ``MixedPrecision`` config) is Lightning's.
+Every precision is guarded (a non-finite step is skipped on every rank, see :attr:`guard`).
+Autocast, dtypes and the FSDP ``MixedPrecision`` config are Lightning's. Bad arguments raise
+the errors ``FSDPPrecision`` raises, with its words and a ``HINT:`` added.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin._validation import check_bool, fail
+from amp_plugin.lightning import _compat
 from amp_plugin.optim import handles_unscaling
 from amp_plugin.scaler import LossScaler
 from amp_plugin.step import StepDriver
@@ -58,7 +61,8 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision",
                 passed=f"precision={precision!r}",
-                allowed=", ".join(map(repr, _PRECISIONS)),
+                allowed=f"{precision!r} is not supported in FSDP; use one of "
+                + ", ".join(map(repr, _PRECISIONS)),
                 hint="'16-mixed' is the precision that scales the loss.",
             )
         if scaler is not None and not isinstance(scaler, LossScaler):
@@ -73,18 +77,13 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision",
                 passed=f"precision={precision!r}, scaler=LossScaler",
-                allowed="a scaler only with precision='16-mixed'",
+                allowed=f"a scaler only with '16-mixed': precision={precision!r} does not use a scaler",
                 hint="drop the scaler: bf16 and fp32 need none.",
             )
         check_bool("AMPFSDPPrecision", "guard", guard)
         if precision == "16-mixed" and scaler is None:
             scaler = LossScaler("cuda")
-        # Lightning 2.6's FSDPPrecision checks ``self.precision`` (still the class default) before it
-        # sets it, so it refuses any scaler, and it then stores None instead of the scaler passed.
-        # Set the precision first (the check passes, no ShardedGradScaler is built), the scaler after.
-        self.precision = precision  # type: ignore[assignment]
-        super().__init__(precision, scaler=scaler)  # type: ignore[arg-type]
-        self.scaler = scaler
+        _compat.init_fsdp_precision(self, precision, scaler)
         guard_scaler = scaler
         if guard_scaler is None and guard:  # nothing to scale; every step is still checked, on every rank
             guard_scaler = LossScaler(init_scale=1.0, dynamic=False)
@@ -92,7 +91,7 @@ class AMPFSDPPrecision(FSDPPrecision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        Precision.pre_backward(self, tensor, module)  # the hooks get the loss as the user computed it
+        _compat.before_backward_hooks(self, tensor, module)  # the hooks see the loss as computed
         guard = self._driver.scaler  # scales for fp16; a non-finite loss makes the gradients NaN
         return tensor if guard is None else guard.scale(tensor)
 
@@ -101,7 +100,7 @@ class AMPFSDPPrecision(FSDPPrecision):
         self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
         self._driver.backward_done()
-        Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+        model.backward(tensor, *args, **kwargs)  # what Precision.backward does
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -111,11 +110,11 @@ class AMPFSDPPrecision(FSDPPrecision):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:  # training_step returned None
-            self._driver.not_stepped(optimizer, lambda: self._after_closure(model, optimizer))
+            self._driver.not_stepped(optimizer, lambda: _compat.after_closure(self, model, optimizer))
             return None
 
         def hooks() -> bool:
-            self._after_closure(model, optimizer)
+            _compat.after_closure(self, model, optimizer)
             return False
 
         # Fused optimizers unscale inside their step; the others before the hooks (and clipping) see them.

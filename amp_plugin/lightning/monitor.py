@@ -55,7 +55,9 @@ class LossScaleMonitor(Callback):
     Logged through every logger the Trainer has, on the steps Lightning logs
     (``log_every_n_steps``): ``amp/scale`` (fp16 only), ``amp/skipped_steps``, ``amp/skip_rate``
     (over the last ``window`` steps), ``amp/grad_norm`` (unscaled, before clipping) and, with
-    norm clipping (``gradient_clip_val``, not by value), ``amp/grad_norm_clipped``. The same values are in
+    norm clipping (``gradient_clip_val``, not by value), ``amp/grad_norm_clipped``. With
+    ``AMPPrecision(fp8=...)``, once at the start of fit: ``amp/fp8_layers`` (Linear layers in fp8)
+    and ``amp/fp8_param_share`` (their share of all Linear parameters). The same values are in
     ``trainer.callback_metrics`` on every rank (as float64 tensors), refreshed also at each
     epoch's end and before each validation, so ``EarlyStopping(monitor="amp/skip_rate")`` and
     ``ModelCheckpoint(monitor="amp/scale", mode="max")`` work. Health changes (see
@@ -192,6 +194,17 @@ class LossScaleMonitor(Callback):
         self._progress = self._progress_count(trainer)
         if self.trace_nonfinite:
             self._tracer = diagnostics.NonFiniteTracer(pl_module).attach()
+        self._log_fp8(trainer, plugin)
+
+    def _log_fp8(self, trainer: Trainer, plugin: AMPPrecision) -> None:
+        """Once per fit, with ``fp8=``: how many Linear layers and what share of their parameters run fp8."""
+        report = plugin.fp8_report
+        if report is None or not trainer.loggers or not trainer.is_global_zero:
+            return
+        share = report.converted_parameters / report.linear_parameters if report.linear_parameters else 0.0
+        metrics = {"amp/fp8_layers": float(len(report.converted)), "amp/fp8_param_share": share}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

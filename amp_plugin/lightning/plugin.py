@@ -11,31 +11,31 @@ Lightning internal (``_compat``).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin import clipping, fp32_policy
-from amp_plugin.kernels import Backend, Kernels, check_backend, get_kernels
+from amp_plugin import fp8 as fp8_layers
+from amp_plugin import fp32_policy
+from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
+from amp_plugin.half_weights import HalfWeights
+from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning import checkpoint as checkpoints
-from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY
-from amp_plugin.lightning.half_weights import HalfWeights
-from amp_plugin.lightning.schedulers import SkipAwareScheduler
+from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.master_weights import MasterWeights
-from amp_plugin.opt_levels import opt_level_arguments
-from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
+from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
-from amp_plugin.sharding import ShardAwareKernels
+from amp_plugin.schedulers import SkipAwareScheduler
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -84,6 +84,10 @@ class AMPPrecision(MixedPrecision):
             step was skipped (or not taken: ``training_step`` returned ``None``); ``"advance"``
             steps it anyway, without PyTorch's misleading order warning. In manual optimization
             declare the scheduler with ``"interval": "step"`` to have it held.
+        fp8: run the eligible ``nn.Linear`` layers' matmuls in fp8 through torchao (with
+            ``"bf16-mixed"``): a recipe name (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise_with_gw_hp"``) or a :class:`~amp_plugin.fp8.Float8` (recipe, layer filter);
+            the choice is reported at fit start and kept in :attr:`fp8_report`.
 
     Example:
         >>> plugin = AMPPrecision("16-mixed", device="cpu")
@@ -110,8 +114,11 @@ class AMPPrecision(MixedPrecision):
         rounding_seed: int = 0,
         fp32_functions: Callable[..., Any] | Sequence[Callable[..., Any]] = (),
         guard: bool = True,
+        fp8: Recipe | Float8 | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip, guard)
+        self.fp8 = check_fp8_request("AMPPrecision", fp8, precision, master_weights)
+        self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
         self.kernels = check_backend(kernels, "AMPPrecision", "kernels")
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
@@ -149,7 +156,7 @@ class AMPPrecision(MixedPrecision):
 
         O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
         master weights, O3 pure fp16 (static loss scale 1.0, as in Apex). See
-        :mod:`amp_plugin.opt_levels` for the table and the keywords.
+        :mod:`amp_plugin.lightning.opt_levels` for the table and the keywords.
 
         Example:
             >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")
@@ -171,7 +178,9 @@ class AMPPrecision(MixedPrecision):
         if guard is None and self._guard:  # nothing to scale: a guard that only checks and skips
             guard = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
         if self._driver is None or self._driver.scaler is not guard:
-            self._driver = StepDriver(guard, None if self._half is None else self._half.before_step)
+            self._driver = StepDriver(
+                guard, None if self._half is None else self._half.before_step, self.kernels
+            )
         self.device, self.dtype = device_type, dtype
         return device_type, dtype
 
@@ -188,10 +197,14 @@ class AMPPrecision(MixedPrecision):
         Strategies call this before moving the model, wrapping it (DDP) and building its
         optimizers; so the masters are made from the original fp32 values.
         """
+        if _compat.called_by_fabric():  # Fabric's setup: the wrong one of the two AMPPrecision classes
+            raise TypeError(_IN_FABRIC.format(self=self))
         if self._half is not None:
             trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
             device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
             self._half.convert(module, self._settings(device)[1], self.fp32_modules)
+        if self.fp8 is not None:
+            self.fp8_report = fp8_layers.convert(module, self.fp8)
         return module
 
     @override
@@ -208,11 +221,17 @@ class AMPPrecision(MixedPrecision):
         device, dtype = self._settings(checks.module_device(model))
         module = checks.lightning_module(model)  # strategies hand over their wrapper (DDP, ...)
         checks.check_fit_start(
-            module, optimizers, device, dtype, grad_scaling=self.scaler is not None,
+            module,
+            optimizers,
+            device,
+            dtype,
+            grad_scaling=self.scaler is not None,
             weights="fp32" if self._half is None else "master" if self.master_weights else "half",
-        )  # fmt: skip
+        )
         if self._half is not None:
             self._half.attach(optimizers)
+        if self.fp8_report is not None:
+            rank_zero_info(f"AMPPrecision: {self.fp8_report}")
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
         if isinstance(module, LightningModule) and (trainer := _compat.attached_trainer(module)) is not None:
@@ -247,15 +266,28 @@ class AMPPrecision(MixedPrecision):
         return torch.autocast(device, dtype=dtype, cache_enabled=False)
 
     @override
+    def tensor_init_context(self) -> AbstractContextManager[Any]:
+        """With "-true", tensors and layers are created in the half dtype (Lightning's ``HalfPrecision``)."""
+        dtype = true_dtype(self.requested)
+        return nullcontext() if dtype is None else default_dtype(dtype)
+
+    @override
+    def module_init_context(self) -> AbstractContextManager[Any]:
+        return self.tensor_init_context()
+
+    @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Autocast for every step (training, validation, test, predict); inside it, the fp32 functions."""
-        with self.autocast_context_manager():
-            if self._fp32_mode is None or self.dtype == torch.float32:
-                yield
-                return
-            with self._fp32_mode:
-                yield
+        """Autocast for every step (training, validation, test, predict); inside it, the fp32 functions.
+
+        With "-true", tensors created in the step take the half dtype too.
+        """
+        with ExitStack() as stack:
+            stack.enter_context(self.autocast_context_manager())
+            stack.enter_context(self.tensor_init_context())
+            if self._fp32_mode is not None and self.dtype != torch.float32:
+                stack.enter_context(self._fp32_mode)
+            yield
 
     @override
     @contextmanager
@@ -274,7 +306,7 @@ class AMPPrecision(MixedPrecision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # The hooks get the loss as the user computed it; only backward sees the scaled one.
-        Precision.pre_backward(self, tensor, module)  # not MixedPrecision's: it scales for GradScaler
+        _compat.before_backward_hooks(self, tensor, module)  # the hooks see the loss as computed
         guard = self._require_driver().scaler
         return tensor if guard is None else guard.scale(tensor)
 
@@ -287,10 +319,10 @@ class AMPPrecision(MixedPrecision):
         # (automatic optimization calls backward outside it, where there is nothing to turn off).
         device = self.device or "cpu"
         if not torch.is_autocast_enabled(device):
-            Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+            model.backward(tensor, *args, **kwargs)  # what Precision.backward does
             return
         with torch.autocast(device, enabled=False):
-            Precision.backward(self, tensor, model, optimizer, *args, **kwargs)
+            model.backward(tensor, *args, **kwargs)  # what Precision.backward does
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -307,9 +339,12 @@ class AMPPrecision(MixedPrecision):
             self.last_grad_norm = None
             return closure_result
         return driver.step(
-            optimizer, lambda: self._run_hooks(model, optimizer), observe_unscaled=not self._fast_clip,
-            update=model.automatic_optimization, **kwargs,
-        )  # fmt: skip
+            optimizer,
+            lambda: self._run_hooks(model, optimizer),
+            observe_unscaled=not self._fast_clip,
+            update=model.automatic_optimization,
+            **kwargs,
+        )
 
     def _run_hooks(self, model: LightningModule, optimizer: Any) -> bool:
         """``on_before_optimizer_step`` and clipping; whether a norm clip ran (it checked the gradients)."""
@@ -327,7 +362,7 @@ class AMPPrecision(MixedPrecision):
         """Between backward and step: the ``on_before_optimizer_step`` hooks, then clipping, then the norm."""
         _compat.after_closure(self, model, optimizer)  # Lightning's own order of the two
         if self._want_grad_norm and self.last_grad_norm is None:
-            self.last_grad_norm = self._grad_norm(optimizer)
+            self.last_grad_norm = self._require_driver().grad_norm(optimizer)
         self._want_grad_norm = False
 
     @property
@@ -345,55 +380,30 @@ class AMPPrecision(MixedPrecision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        entry = checkpoints.checkpoint_entry(str(self.precision), self.scaler)
-        guard = self.guard
-        if self.scaler is None and guard is not None:  # bf16/fp32: the guard's skip counts resume too
-            entry["guard"] = guard.state_dict()
-        checkpoint[CHECKPOINT_KEY] = entry
-        if self._half is not None:
-            self._half.on_save(checkpoint, entry)
+        checkpoints.save_entry(checkpoint, str(self.precision), self.scaler, self.guard, self._half)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.check_checkpoint(checkpoint)
-        if self._half is not None:
-            self._half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))
-        state = checkpoints.scaler_state(checkpoint)
-        if state is not None:
-            self.load_state_dict(state)
-        guard_state = self._guard_state(checkpoint)
-        if guard_state is not None and self.guard is not None:
-            self.guard.load_state_dict(guard_state)
-
-    def _guard_state(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-        """The bf16/fp32 guard's state in the checkpoint, where this run has a guard and no scaler."""
-        entry = checkpoint.get(CHECKPOINT_KEY)
-        state = entry.get("guard") if isinstance(entry, dict) and self.scaler is None else None
-        return state if isinstance(state, dict) and state else None
+        checkpoints.load_entry(checkpoint, self.scaler, self.guard, self._half)
 
     def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Raise ``ValueError`` if the checkpoint's plugin state would not load; change nothing.
 
-        Checked: the loss-scaler state, and with half-precision weights the fp32 master values
-        (shapes) and the rounding state. Lightning restores the precision plugin only after it
-        has replaced the model's weights. To refuse a corrupt checkpoint before that, call this
+        Checked: the loss-scaler (or guard) state, and with half-precision weights the fp32 master
+        values (shapes) and the rounding state. Lightning restores the precision plugin only after
+        it has replaced the model's weights. To refuse a corrupt checkpoint before that, call this
         from the LightningModule's ``on_load_checkpoint``, the one hook Lightning runs earlier::
 
             def on_load_checkpoint(self, checkpoint):
                 self.trainer.precision_plugin.check_checkpoint(checkpoint)
 
         Example:
-            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({CHECKPOINT_KEY: "garbage"})
+            >>> AMPPrecision("16-mixed", device="cpu").check_checkpoint({"amp_plugin": "garbage"})
             Traceback (most recent call last):
             ...
             ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
         """
-        checkpoints.check_scaler_state(checkpoint, self.scaler)
-        guard_state = self._guard_state(checkpoint)
-        if guard_state is not None and self.guard is not None:
-            self.guard.check_state_dict(guard_state)
-        if self._half is not None:
-            self._half.check(checkpoint, checkpoint.get(CHECKPOINT_KEY))
+        checkpoints.check_entry(checkpoint, self.scaler, self.guard, self._half)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -409,15 +419,6 @@ class AMPPrecision(MixedPrecision):
         gradients, which is why it is asked for per step (e.g. on logging steps only).
         """
         self._want_grad_norm = True
-
-    def _grad_norm(self, optimizer: Any) -> Tensor:
-        if self.guard is not None:
-            return self.guard.grad_norm(optimizer)
-        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        return self._kernels_for(grads).norm(grads)
-
-    def _kernels_for(self, grads: list[Tensor]) -> Kernels:
-        return ShardAwareKernels(get_kernels(self.kernels, grads[0].device if grads else None))
 
     @override
     def clip_gradients(
@@ -436,22 +437,13 @@ class AMPPrecision(MixedPrecision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self._norm_clipped = True
-        if self.guard is not None:
-            self.last_grad_norm = self.guard.clip_grad_norm_(optimizer, float(clip_val))
-            return
-        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        self.last_grad_norm = clipping.clip_grad_norm_(
-            self._kernels_for(grads), grads, float(clip_val)
-        ).total_norm
+        self.last_grad_norm = self._require_driver().clip_grad_norm_(optimizer, float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
-            self.last_grad_norm = self._grad_norm(optimizer)
-        if self.guard is not None:
-            self.guard.clip_grad_value_(optimizer, float(clip_val))
-        else:
-            Precision.clip_grad_by_value(self, unwrap_optimizer(optimizer), clip_val)
+            self.last_grad_norm = self._require_driver().grad_norm(optimizer)
+        self._require_driver().clip_grad_value_(optimizer, float(clip_val))
 
     @property
     def guard(self) -> LossScaler | None:
@@ -490,6 +482,13 @@ class AMPPrecision(MixedPrecision):
         """The guard's skipped steps as last known on the host (see :attr:`LossScaler.skipped_steps_seen`)."""
         guard = self.guard
         return 0 if guard is None else guard.skipped_steps_seen
+
+
+_IN_FABRIC = (
+    "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed: that is the Trainer's "
+    "plugin; Fabric takes amp_plugin.fabric.AMPPrecision (the same arguments). "
+    "HINT: from amp_plugin.fabric import AMPPrecision"
+)
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:

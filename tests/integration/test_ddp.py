@@ -156,3 +156,20 @@ def test_bf16_inf_on_one_rank_is_skipped_on_every_rank(tmp_path: Path, optimizer
     assert r0["dtypes"] == r1["dtypes"] == ["torch.bfloat16"]
     assert r0["skipped"] == r1["skipped"] == 1  # rank 0 saw no inf and skipped too
     assert r0["params_equal_across_ranks"] and r0["params_finite"]
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_bf16_true_with_a_rounding_keeps_the_ranks_equal(tmp_path: Path, rounding: str) -> None:
+    """The rounded step leaves DDP's all-reduce hooks in place: every step's gradients are averaged."""
+    plugin = AMPPrecision("bf16-true", rounding=rounding)  # type: ignore[arg-type]
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=6, plugins=[plugin], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    module = _RankModule(str(tmp_path), poison=(2,))
+    module.optimizer = "sgd"
+    trainer.fit(module, _loader())
+    r0, r1 = _results(tmp_path)
+    assert r0["skipped"] == r1["skipped"] == 1
+    assert r0["params_equal_across_ranks"] and r0["params_finite"]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -189,3 +191,13 @@ def test_limited_precision_without_scikit_learn_says_what_to_install(tmp_path: P
         'limited_precision.py needs scikit-learn (its digits data set): pip install -e ".[examples]" '
         "(or pip install scikit-learn)"
     ]
+
+
+def test_fp8_example_trains_both_and_reports_the_layers(tmp_path: Path) -> None:
+    pytest.importorskip("torchao", reason="examples/fp8.py needs torchao (pip install 'amp_plugin[fp8]')")
+    out = _run("fp8.py", cwd=tmp_path)
+    assert "fp8 (tensorwise): 7 of 9 Linear layers" in out
+    assert "blocks.0.qkv (first Linear layer), head (last Linear layer)" in out
+    bf16 = float(_summary_value(out, "bf16 final loss (mean of last 1)"))
+    fp8 = float(_summary_value(out, "fp8 final loss (mean of last 1)"))
+    assert abs(fp8 - bf16) <= 0.05 * bf16

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
+from torch import Tensor, nn
 
 from amp_plugin import AMPPrecision
 from amp_plugin.lightning import CHECKPOINT_KEY
@@ -467,3 +467,50 @@ def test_frozen_base_weights_are_held_and_saved_in_half_without_a_master(tmp_pat
     assert state["up.weight"].dtype == torch.float32 and state["net.3.weight"].dtype == torch.float32
     assert plugin.masters is not None and len(plugin.masters) == 4  # up, down, net.3 weight and bias
     LoRA().load_state_dict(state)  # loads into the fp32 model
+
+
+@pytest.mark.parametrize("where", ["configure_model", "init_module"])
+def test_true_precision_layers_are_built_in_half_never_fp32(where: str) -> None:
+    """Layers made in configure_model or under trainer.init_module() come out bf16 at once
+    (no fp32 copy to convert later, the peak memory "-true" exists to save), as with Lightning's
+    HalfPrecision; the default dtype is float32 again after fit."""
+    seen: list[torch.dtype] = []
+
+    class Late(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net: nn.Module | None = None
+
+        def configure_model(self) -> None:
+            if self.net is None:
+                self.net = nn.Linear(4, 1)
+                seen.append(self.net.weight.dtype)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            assert self.net is not None
+            seen.append(torch.zeros(1).dtype)  # a tensor made in forward
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        plugins=[AMPPrecision("bf16-true")],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if where == "init_module":
+        with trainer.init_module():
+            model = Late()
+            model.net = nn.Linear(4, 1)
+            seen.append(model.net.weight.dtype)
+    else:
+        model = Late()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    trainer.fit(model, data)
+    assert seen[0] == torch.bfloat16 and set(seen[1:]) == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32

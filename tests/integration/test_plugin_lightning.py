@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, Precision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -49,7 +50,17 @@ def _trainer(plugin: Any, steps: int = 2, **kwargs: Any) -> Trainer:
 
 # -- 4. a MixedPrecision to Lightning ------------------------------------------------------------
 
-PINNED = ["after_closure", "attached_trainer", "epoch_training_done", "logged_step", "should_update_logs"]
+PINNED = [
+    "after_closure",
+    "attached_trainer",
+    "before_backward_hooks",
+    "called_by_fabric",
+    "epoch_training_done",
+    "init_fsdp_precision",
+    "logged_step",
+    "set_fabric_input_dtype",
+    "should_update_logs",
+]
 
 
 class _LoggingWatch(Callback):
@@ -95,6 +106,29 @@ def test_lightning_internals_we_read_still_exist() -> None:
     module.on_before_optimizer_step = seen.append  # type: ignore[method-assign]
     _compat.after_closure(trainer.precision_plugin, module, trainer.optimizers[0])
     assert seen == [trainer.optimizers[0]]
+    # Precision.pre_backward runs the on_before_backward hooks with the loss it is given.
+    module.on_before_backward = seen.append  # type: ignore[method-assign]
+    loss = torch.tensor(3.0)
+    _compat.before_backward_hooks(trainer.precision_plugin, loss, module)
+    assert seen[-1] is loss
+    # Fabric's throughput utilities read MixedPrecision._desired_input_dtype.
+    from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision
+    from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype
+
+    fabric_plugin = FabricMixedPrecision("16-mixed", "cpu")
+    _compat.set_fabric_input_dtype(fabric_plugin, torch.bfloat16)
+    assert _plugin_to_compute_dtype(fabric_plugin) == torch.bfloat16
+    # Fabric.setup calls the plugin's convert_module from lightning.fabric's own module.
+    assert not _compat.called_by_fabric()
+    assert "self._precision.convert_module(" in inspect.getsource(Fabric.setup)
+    # FSDPPrecision.__init__ reads self.precision before it sets it: with the class default it
+    # refuses any scaler; set first, the scaler passed is kept and no ShardedGradScaler is built.
+    with pytest.raises(ValueError, match="does not use a scaler"):
+        FSDPPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))
+    fsdp = FSDPPrecision.__new__(FSDPPrecision)
+    marker = object()
+    _compat.init_fsdp_precision(fsdp, "16-mixed", marker)
+    assert fsdp.scaler is marker and fsdp._desired_input_dtype == torch.float32
 
 
 def test_a_callback_that_observes_gradients_takes_the_observing_path() -> None:

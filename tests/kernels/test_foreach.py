@@ -16,7 +16,7 @@ def test_torch_norm_exact_is_torchs_clip_norm_and_fast_norm_is_more_accurate(thr
     one thread is the worst case (1.95e-5 against torch's 6.3e-5 here), so it is checked in every
     run, whatever thread count the suite itself runs with.
     """
-    from amp_plugin.distributed import GlobalNormKernels
+    from amp_plugin.sharding import ShardAwareKernels
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads or saved)
@@ -29,7 +29,7 @@ def test_torch_norm_exact_is_torchs_clip_norm_and_fast_norm_is_more_accurate(thr
         torch_norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
         kernels = get_kernels("torch")
         assert torch.equal(kernels.norm(grads, exact=True), torch_norm)
-        assert torch.equal(GlobalNormKernels(kernels).norm(grads, exact=True), torch_norm)  # forwarded
+        assert torch.equal(ShardAwareKernels(kernels).norm(grads, exact=True), torch_norm)  # forwarded
         fast = kernels.norm(grads)
     finally:
         torch.set_num_threads(saved)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
 
+import amp_plugin
 from amp_plugin import LossScaler
 from amp_plugin.fabric import AMPPrecision
 from tests._ranks import leave_group
@@ -41,8 +43,14 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)
 
 
-def _train(fabric: Fabric, model: Any, opt: Any, steps: range, max_norm: float | None = None,
-           poison: tuple[int, ...] = ()) -> list[torch.Tensor]:  # fmt: skip
+def _train(
+    fabric: Fabric,
+    model: Any,
+    opt: Any,
+    steps: range,
+    max_norm: float | None = None,
+    poison: tuple[int, ...] = (),
+) -> list[torch.Tensor]:
     norms = []
     for step in steps:
         x, y = _batch(step)
@@ -145,7 +153,7 @@ def test_a_resume_through_fabric_save_and_load_continues_bit_exactly(tmp_path: P
 def test_bf16_autocasts_without_a_scaler() -> None:
     plugin = AMPPrecision("bf16-mixed", device="cpu")
     fabric, model, opt = _setup(plugin)
-    assert plugin.scaler is None and plugin.state_dict() == {}
+    assert plugin.scaler is None and set(plugin.state_dict()) == {"guard"}  # no scale; the skip counts
     out = model(_batch(0)[0])  # Fabric hands outputs back in fp32 (convert_output)
     assert torch.equal(out, out.bfloat16().float())  # computed in bf16
     _train(fabric, model, opt, range(2), max_norm=1.0)
@@ -160,8 +168,8 @@ def test_a_torch_grad_scaler_is_converted_with_its_settings() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"precision": "16-true"}, ValueError, r"precision='16-true'.*HINT"),
         ({"precision": "fp16"}, ValueError, "HINT"),
+        ({"precision": "16"}, ValueError, r"precision='16'.*'16-true', 'bf16-true'.*HINT"),
         ({"precision": "bf16-mixed", "scaler": LossScaler()}, ValueError, "HINT: drop scaler="),
         ({"precision": "16-mixed", "scaler": object()}, TypeError, "HINT"),
         ({"precision": "16-mixed", "device": "tpu"}, ValueError, "HINT"),
@@ -199,7 +207,7 @@ def _ddp_worker(fabric: Fabric, out_dir: str) -> None:
     gathered = [torch.zeros_like(flat) for _ in range(fabric.world_size)]
     dist.all_gather(gathered, flat)
     equal, finite = all(torch.equal(gathered[0], g) for g in gathered), bool(torch.isfinite(flat).all())
-    result = {"skipped": plugin.scaler.skipped_steps, "equal": equal, "finite": finite}
+    result = {"skipped": plugin.guard.skipped_steps, "equal": equal, "finite": finite}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     leave_group()
     # Kept alive to the forked worker's os._exit: freeing a DDP model after its group is gone can
@@ -211,9 +219,19 @@ _KEPT: list[Any] = []
 
 
 @pytest.mark.slow
-def test_ddp_ranks_agree_on_a_skip(tmp_path: Path) -> None:
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_fork",
-                    plugins=[AMPPrecision("16-mixed", device="cpu")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"precision": "16-mixed"},
+        {"precision": "16-mixed", "master_weights": True},
+        {"precision": "bf16-true", "rounding": "stochastic"},
+    ],
+    ids=lambda kwargs: "-".join(str(v) for v in kwargs.values()),
+)
+def test_ddp_ranks_agree_on_a_skip(kwargs: dict[str, Any], tmp_path: Path) -> None:
+    """Half weights too: the masters and the stochastic rounding (one seed) stay equal across ranks."""
+    plugin = AMPPrecision(**kwargs, device="cpu")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_fork", plugins=[plugin])
     fabric.launch(_ddp_worker, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert results == [{"skipped": 1, "equal": True, "finite": True}] * 2
@@ -264,3 +282,123 @@ def test_fabrics_throughput_utilities_read_the_right_dtype(precision: str, dtype
     assert _plugin_to_compute_dtype(plugin) == dtype
     assert plugin.scaler is None or isinstance(plugin.scaler, LossScaler)
     assert plugin.convert_input(torch.ones(2)).dtype == dtype
+
+
+# -- "-true": the default dtype, as in Lightning's HalfPrecision -----------------------------------
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_true_precisions_switch_the_default_dtype_as_halfprecision_does(
+    precision: str, dtype: torch.dtype
+) -> None:
+    from lightning.fabric.plugins.precision import HalfPrecision
+
+    ours, theirs = AMPPrecision(precision, device="cpu"), HalfPrecision(precision)  # type: ignore[arg-type]
+    for plugin in (ours, theirs):
+        for context in (plugin.module_init_context, plugin.tensor_init_context, plugin.forward_context):
+            with context():
+                assert nn.Linear(2, 2).weight.dtype == dtype, (plugin, context)
+                assert torch.ones(2).dtype == dtype and torch.get_default_dtype() == dtype
+            assert torch.get_default_dtype() == torch.float32  # restored
+    fabric = _fabric(ours)
+    with fabric.init_module():
+        model = nn.Linear(8, 1)
+    assert model.weight.dtype == dtype  # made in half: no fp32 copy at its peak
+    model = fabric.setup(model)
+    assert model(torch.randn(2, 8)).dtype == torch.float32  # Fabric hands outputs back in fp32
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+def test_other_precisions_leave_the_default_dtype_alone(precision: str) -> None:
+    plugin = AMPPrecision(precision, device="cpu")
+    for context in (plugin.module_init_context, plugin.tensor_init_context, plugin.forward_context):
+        with context():
+            assert torch.get_default_dtype() == nn.Linear(2, 2).weight.dtype == torch.float32
+
+
+def test_master_weights_are_made_from_fp32_values_under_init_module() -> None:
+    plugin = AMPPrecision("bf16-mixed", master_weights=True, device="cpu")
+    with _fabric(plugin).init_module():
+        assert nn.Linear(2, 2).weight.dtype == torch.float32  # cast (and copied to the masters) at setup
+
+
+# -- what a Fabric user logs: precision.metrics() ----------------------------------------------------
+
+
+def test_metrics_report_scale_skips_and_rate_for_fabric_log_dict() -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler("cpu", init_scale=2.0**10))
+    fabric, model, opt = _setup(plugin)
+    assert plugin.metrics() == {"amp/scale": 1024.0, "amp/skipped_steps": 0.0, "amp/skip_rate": 0.0}
+    norms = _train(fabric, model, opt, range(4), max_norm=1.0, poison=(1,))
+    metrics = plugin.metrics(grad_norm=norms[-1])
+    expected = {"amp/scale": 512.0, "amp/skipped_steps": 1.0, "amp/skip_rate": 0.25}
+    assert metrics == {**expected, "amp/grad_norm": norms[-1].item()}
+    assert all(type(v) is float for v in metrics.values())
+    logged: list[dict[str, Any]] = []
+
+    class Logger:  # what fabric.log_dict hands each logger
+        name, version = "probe", 0
+
+        def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+            logged.append(metrics)
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin], loggers=[Logger()])
+    fabric.log_dict(plugin.metrics(), step=4)
+    assert logged == [expected]
+
+
+def test_bf16_metrics_count_the_guards_skips_and_have_no_scale() -> None:
+    plugin = AMPPrecision("bf16-mixed", device="cpu")
+    fabric, model, opt = _setup(plugin)
+    _train(fabric, model, opt, range(2), poison=(0,))
+    assert plugin.metrics(grad_norm=float("nan")) == {"amp/skipped_steps": 1.0, "amp/skip_rate": 0.5}
+    assert AMPPrecision("bf16-mixed", device="cpu", guard=False).metrics() == {}
+
+
+# -- lr_on_skip: precision.skip_aware(scheduler) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skip_aware_scheduler_holds_on_a_skipped_step(fused: bool) -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler("cpu", init_scale=2.0**8))
+    fabric, model, opt = _setup(plugin, fused=fused, lr=1.0)
+    scheduler = plugin.skip_aware(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        for step in range(4):
+            _train(fabric, model, opt, range(step, step + 1), poison=(1,))
+            if fused and step == 1:
+                plugin.guard.skipped_steps  # noqa: B018  # a fused step's skip is known once read
+            scheduler.step()
+    assert plugin.guard.skipped_steps == 1
+    assert scheduler.get_last_lr() == [0.5**3]  # 4 steps, one skipped
+    assert scheduler.state_dict() == scheduler._scheduler.state_dict()  # checkpoints see the real one
+
+
+def test_lr_on_skip_advance_steps_the_scheduler_without_the_order_warning() -> None:
+    plugin = AMPPrecision("16-mixed", device="cpu", lr_on_skip="advance")
+    fabric, model, opt = _setup(plugin, lr=1.0)
+    scheduler = plugin.skip_aware(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(fabric, model, opt, range(1), poison=(0,))  # the very first step skipped
+        scheduler.step()
+    assert plugin.last_step_skipped and scheduler.get_last_lr() == [0.5]
+
+
+# -- the two AMPPrecision classes, each in the other's place ----------------------------------------
+
+
+def test_the_trainers_plugin_in_fabric_fails_at_setup_naming_the_fabric_import() -> None:
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[amp_plugin.AMPPrecision("16-mixed", device="cpu")])
+    with pytest.raises(TypeError, match=r"the Trainer's plugin.*HINT: from amp_plugin\.fabric import "):
+        fabric.setup(_net())
+
+
+def test_fabrics_plugin_in_a_trainer_is_refused_naming_the_trainer_import() -> None:
+    from lightning.pytorch import Trainer
+
+    with pytest.raises(
+        Exception, match=r"amp_plugin\.fabric\.AMPPrecision.*Trainer.* amp_plugin\.AMPPrecision"
+    ):
+        Trainer(accelerator="cpu", plugins=[AMPPrecision("16-mixed", device="cpu")], logger=False)

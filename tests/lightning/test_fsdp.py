@@ -40,7 +40,7 @@ def test_defaults_and_bad_arguments() -> None:
         AMPFSDPPrecision("fp8")
     with pytest.raises(TypeError, match=r"scaler=GradScaler.*HINT"):
         AMPFSDPPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="only with precision='16-mixed'"):
+    with pytest.raises(ValueError, match="only with '16-mixed'"):
         AMPFSDPPrecision("bf16-mixed", scaler=LossScaler("cpu"))
     assert isinstance(AMPFSDPPrecision("bf16-mixed").guard, LossScaler)  # bf16 is checked too
     with pytest.raises(ValueError, match=r"guard=False.*HINT"):
@@ -171,3 +171,21 @@ def test_fit_under_fsdp_strategy_on_cuda(tmp_path: Path) -> None:
     trainer.fit(model)
     assert plugin.scaler.total_steps == 8
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"precision": "64-true"}, "is not supported in FSDP"),
+        ({"precision": "bf16-mixed", "scaler": "a scaler"}, "does not use a scaler"),
+    ],
+)
+def test_argument_errors_say_what_lightnings_fsdp_precision_says_plus_a_hint(
+    kwargs: dict[str, Any], words: str
+) -> None:
+    """A drop-in for FSDPPrecision: its messages' words (which tests and users match on) and ours' HINT."""
+    with pytest.raises(ValueError, match=words):
+        FSDPPrecision(**{**kwargs, "scaler": torch.amp.GradScaler("cpu") if "scaler" in kwargs else None})
+    ours = {**kwargs, "scaler": LossScaler("cpu") if "scaler" in kwargs else None}
+    with pytest.raises(ValueError, match=rf"{words}.*HINT"):
+        AMPFSDPPrecision(**ours)

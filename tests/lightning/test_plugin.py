@@ -15,7 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from amp_plugin import AMPPrecision, LossScaler
-from amp_plugin.lightning.schedulers import SkipAwareScheduler
+from amp_plugin.schedulers import SkipAwareScheduler
 
 # -- a MixedPrecision to Lightning ------------------------------------------------------------------
 
@@ -228,3 +228,44 @@ def test_the_autocast_context_resolves_a_plugin_without_device() -> None:
     with plugin.autocast_context_manager():
         assert torch.is_autocast_enabled(device)
     assert (plugin.device, plugin.dtype) == (device, torch.bfloat16)
+
+
+# -- "-true": the default dtype, as in Lightning's HalfPrecision ------------------------------------
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_true_precisions_build_and_run_in_the_half_dtype(precision: str, dtype: torch.dtype) -> None:
+    plugin = AMPPrecision(precision)  # type: ignore[arg-type]  # no device yet: "-true" fixes the dtype
+    before = torch.get_default_dtype()
+    with plugin.module_init_context():
+        assert nn.Linear(2, 2).weight.dtype == dtype
+    with plugin.tensor_init_context():
+        assert torch.empty(1).dtype == dtype
+    assert torch.get_default_dtype() == before
+    with plugin.forward_context():
+        assert torch.ones(1).dtype == dtype
+    assert torch.get_default_dtype() == before
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
+def test_other_precisions_keep_the_default_dtype(precision: str) -> None:
+    plugin = AMPPrecision(precision, device="cpu")  # type: ignore[arg-type]
+    with plugin.module_init_context():
+        assert nn.Linear(2, 2).weight.dtype == torch.float32
+    with plugin.forward_context():
+        assert torch.ones(1).dtype == torch.float32
+
+
+def test_the_default_dtype_is_restored_after_an_error_in_forward() -> None:
+    plugin = AMPPrecision("bf16-true")
+    with pytest.raises(KeyError), plugin.forward_context():
+        raise KeyError
+    assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_convert_module_casts_a_plain_module_as_halfprecision(precision: str, dtype: torch.dtype) -> None:
+    """Called directly (no Trainer, no Fabric), as HalfPrecision.convert_module is in Lightning's tests."""
+    module = nn.Linear(2, 2)
+    converted = AMPPrecision(precision).convert_module(module)  # type: ignore[arg-type]
+    assert converted.weight.dtype == converted.bias.dtype == dtype

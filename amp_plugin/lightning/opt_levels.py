@@ -13,7 +13,7 @@ O1's per-function casting is autocast here. Apex's ``amp.initialize`` keyword ar
 override a level's defaults under the same names (``cast_model_type``, ``keep_batchnorm_fp32``,
 ``master_weights``, ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``); any other keyword
 goes to ``AMPPrecision`` as it is. ``cast_model_type=torch.bfloat16`` gives the bf16 rungs.
-Plain Python: nothing here imports Lightning.
+Plain Python (nothing here imports Lightning); it sits beside the adapters whose arguments it builds.
 """
 
 from __future__ import annotations

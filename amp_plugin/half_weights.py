@@ -1,12 +1,12 @@
 """Half-precision weights under ``AMPPrecision``: fp32 master weights, or pure half with a rounding.
 
-:class:`HalfWeights` is the plugin's part of :mod:`amp_plugin.master_weights` and
-:mod:`amp_plugin.rounded_updates`: it casts the LightningModule when the strategy asks the
-plugin to convert it (before DDP wraps it and before ``configure_optimizers``), hands the
-optimizers to the masters or the rounding hooks at ``connect``, moves gradients before each
-step, and keeps the rounding generator in checkpoints. The fp32 master values reach every
-checkpoint through the model's own ``state_dict`` (see :meth:`MasterWeights.hook`), weights-only
-ones included, for which Lightning asks the precision plugin nothing.
+:class:`HalfWeights` is what both ``AMPPrecision`` plugins (the Trainer's and Fabric's) do with
+:mod:`amp_plugin.master_weights` and :mod:`amp_plugin.rounded_updates`: it casts the model when
+the plugin is asked to convert it (before DDP wraps it), hands the optimizers to the masters or
+the rounding hooks, moves gradients before each step, and keeps the rounding generator in
+checkpoints. The fp32 master values reach every checkpoint through the model's own
+``state_dict`` (see :meth:`MasterWeights.hook`), weights-only ones included, for which Lightning
+asks the precision plugin nothing. Plain torch: nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class HalfWeights:
             )
 
     def on_load(self, checkpoint: dict[str, Any], entry: object) -> None:
-        """Restore the rounding state (Lightning loaded the fp32 ``state_dict`` into the masters)."""
+        """Restore the rounding state (the model's own ``load_state_dict`` filled the fp32 masters)."""
         states = entry.get("rounding") if isinstance(entry, dict) else None
         if isinstance(states, list):
             self._rng_states = states

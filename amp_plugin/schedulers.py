@@ -1,7 +1,8 @@
 """``SkipAwareScheduler``: a step-interval LR scheduler that holds still when the optimizer step was skipped.
 
-``AMPPrecision`` wraps every step-interval scheduler in one at fit start; the wrapper asks the
-plugin whether the step it follows was skipped.
+The Trainer's ``AMPPrecision`` wraps every step-interval scheduler in one at fit start; Fabric's
+``AMPPrecision`` wraps the one handed to its ``hold_on_skip``. The wrapper asks the plugin whether the
+step it follows was skipped. Plain torch: nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ _SCHEDULER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimiz
 
 
 class _StepSkips(Protocol):
-    """What the wrapper reads of its plugin (``AMPPrecision`` is one)."""
+    """What the wrapper reads of its plugin (either ``AMPPrecision`` is one)."""
 
     @property
     def lr_on_skip(self) -> str: ...
@@ -41,14 +42,15 @@ class SkipAwareScheduler:
         scheduler: the LR scheduler to wrap.
         plugin: says whether a step was skipped (``known_skip(optimizer)``, or
             ``last_step_skipped`` for a scheduler without ``.optimizer``) and what to do then
-            (``lr_on_skip``: ``"hold"`` or ``"advance"``); an ``AMPPrecision``.
+            (``lr_on_skip``: ``"hold"`` or ``"advance"``); an ``AMPPrecision`` (Trainer's or Fabric's).
 
     Example:
         >>> import torch
-        >>> from amp_plugin.lightning import AMPPrecision
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
-        >>> plugin = AMPPrecision("16-mixed", device="cpu")
-        >>> scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), plugin)
+        >>> class Plugin:  # what AMPPrecision says after a step that was taken
+        ...     lr_on_skip, last_step_skipped, skipped_steps_seen = "hold", False, 0
+        ...     def known_skip(self, optimizer): return False
+        >>> scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), Plugin())
         >>> opt.step(); scheduler.step()  # a step that was taken: the scheduler moves
         >>> scheduler.get_last_lr()
         [0.5]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from amp_plugin import AMPPrecision
-from amp_plugin.lightning.schedulers import SkipAwareScheduler
+from amp_plugin.schedulers import SkipAwareScheduler
 
 ORDER_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
 
