@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _PRECISION_NAMES = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
 _REPEATS = 5  # timed runs per dtype and device: the median and the spread
 _SMALL = 64  # the side of the "small model" matmul on CPU
+_WIDTH = 88  # columns of the text report
 _FAR_SLOWER = 8.0  # fp16 this many times slower than bf16: the CPU emulates fp16
 
 
@@ -273,7 +275,9 @@ def format_device_report(report: dict[str, Any]) -> str:
     lines += _matmul_lines(report)
     lines.append(f"  recommended  precision={report['recommended_precision']!r}: {report['reason']}")
     lines += [f"  note         {note}" for note in report.get("notes") or ()]
-    return "\n".join(lines)
+    # Rows wrap under their value column, so that the report reads in a terminal and in a page.
+    wrap = textwrap.TextWrapper(width=_WIDTH, subsequent_indent=" " * 15, break_on_hyphens=False)
+    return "\n".join(row for line in lines for row in (wrap.wrap(line) or [""]))
 
 
 def _matmul_lines(report: dict[str, Any]) -> list[str]:
@@ -281,17 +285,19 @@ def _matmul_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     for device, rates in (report["throughput_tflops"] or {}).items():
         spread = spreads.get(device, {})
-        shown = ", ".join(
-            f"{k} -" if r is None else f"{k} {r:.3g}" + (f" ({_span(spread[k])})" if spread.get(k) else "")
-            for k, r in rates.items()
-        )
         side = setup.get("sizes", {}).get(device)
         how = f", {side}x{side}" if side else ""
         if setup and device == "cpu":
             how += f", {setup['cpu_threads']} thread{'s' if setup['cpu_threads'] != 1 else ''}"
         if setup:
             how += f", median (min-max) of {setup['runs']} runs"
-        lines.append(f"  matmul       {device}{how}: {shown} TFLOP/s")
+        lines.append(f"  matmul       {device}{how}, TFLOP/s:")
+        lines += [  # one dtype per row: a value and its spread never wrap apart
+            f"{'':15}{k} -"
+            if r is None
+            else f"{'':15}{k} {r:.3g}" + (f" ({_span(spread[k])})" if spread.get(k) else "")
+            for k, r in rates.items()
+        ]
     small = report.get("small_matmul")
     if small is not None and report["throughput_tflops"] is not None:
         shown = ", ".join(

@@ -131,8 +131,11 @@ def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, 
         rank_zero_info(f"AMPPrecision('auto') chose {name}: {precisions.auto_precision_reason(device_type)}")
     note = precisions.cpu_emulation_note(dtype) if device_type == "cpu" else None
     if note is not None:  # a warning where "auto" chose it; information where it was asked for by name
-        hint = "train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU with AMX."
-        _say_once(f"AMPPrecision({name!r}): {note}. HINT: {hint}", warn=requested == "auto")
+        if requested == "auto":
+            fix = "HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU with AMX."
+            _say_once(f"AMPPrecision({name!r}): {note}. {fix}", warn=True)
+        else:
+            _say_once(f"AMPPrecision({name!r}): {note}; leave AMPPrecision out to train in fp32.", warn=False)
     return device_type, dtype, name
 
 

@@ -59,7 +59,7 @@ def test_quickstart_auto_picks_bf16_on_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "quickstart" / "version_0" / "metrics.csv").is_file()
     # Not a terminal (a pipe here, a log file or CI elsewhere): plain lines, no progress-bar redraws.
     assert "\r" not in out
-    assert "step 6/12: loss " in out and "step 12/12: loss " in out
+    assert "step 6/12: loss " in out and "step 6/12: val_acc " in out and "step 12/12: loss " in out
 
 
 def test_quickstart_pins_its_threads_and_compares_with_fp32(tmp_path: Path) -> None:
