@@ -282,3 +282,12 @@ def test_convert_module_casts_a_plain_module_as_halfprecision(precision: str, dt
     module = nn.Linear(2, 2)
     converted = AMPPrecision(precision).convert_module(module)  # type: ignore[arg-type]
     assert converted.weight.dtype == converted.bias.dtype == dtype
+
+
+@pytest.mark.parametrize(("precision", "seen"), [("bf16-true", torch.float16), ("32-true", torch.float16)])
+def test_throughput_monitor_reads_fp16_for_true_precisions_as_the_docs_say(
+    precision: str, seen: torch.dtype
+) -> None:
+    """docs/scaler.md states this limit of Lightning's ThroughputMonitor; a Lightning fix fails here."""
+    plugin = AMPPrecision(precision, device="cpu")  # type: ignore[arg-type]
+    assert throughput_monitor._plugin_to_compute_dtype(plugin) == seen
