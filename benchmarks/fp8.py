@@ -49,7 +49,8 @@ VOCAB, SEQ = 256, 64
 TARGET = 1.3
 
 
-Block = load_example("fp8").Block  # the example's transformer block: one definition
+EXAMPLE = load_example("fp8")
+Block = EXAMPLE.Block  # the example's transformer block and data: one definition
 
 
 class LM(nn.Module):
@@ -64,17 +65,9 @@ class LM(nn.Module):
 
 
 def batches(count: int, batch: int, device: str = "cpu") -> list[tuple[Tensor, Tensor]]:
-    """Token sequences from a fixed random bigram table (learnable; the same on every call)."""
-    gen = torch.Generator().manual_seed(0)
-    table = torch.randint(0, VOCAB, (VOCAB,), generator=gen)
-    out = []
-    for _ in range(count):
-        seq = [torch.randint(0, VOCAB, (batch, 1), generator=gen)]
-        for _ in range(SEQ):
-            seq.append(table[seq[-1]])
-        tokens = torch.cat(seq, dim=1).to(device)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
+    """The example's bigram token sequences, at this benchmark's vocabulary and length."""
+    data = EXAMPLE.bigram_batches(count, batch, vocab=VOCAB, length=SEQ, seed=0)
+    return [(tokens.to(device), targets.to(device)) for tokens, targets in data]
 
 
 def loss_of(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
