@@ -108,19 +108,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     parser.add_argument("--dim", type=int, default=64, help="model width, a multiple of 16 (default 64)")
     parser.add_argument(
-        "--min-features", type=int, default=64,
+        "--min-features",
+        type=int,
+        default=64,
         help="the smallest Linear dimension fp8 takes (default 64 here; the library's default is 1024)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads (default: 1, steady on a busy machine)"
     )
     parser.add_argument("--smoke", action="store_true", help="a few steps, for the tests")
     args = parser.parse_args(argv)
+    try:  # before anything trains: without torchao, one line that says what to install
+        plugin = AMPPrecision("bf16-mixed", fp8=Float8(args.recipe, min_features=args.min_features))
+    except ImportError as err:
+        raise SystemExit(f"fp8.py: {err}") from None
     torch.set_num_threads(args.threads)
     steps = 8 if args.smoke else args.steps
 
     bf16, bf16_s = train(AMPPrecision("bf16-mixed"), args.dim, steps)
-    plugin = AMPPrecision("bf16-mixed", fp8=Float8(args.recipe, min_features=args.min_features))
     fp8, fp8_s = train(plugin, args.dim, steps)
 
     print(f"\n{plugin.fp8_report}\n")

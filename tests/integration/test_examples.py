@@ -201,3 +201,18 @@ def test_fp8_example_trains_both_and_reports_the_layers(tmp_path: Path) -> None:
     bf16 = float(_summary_value(out, "bf16 final loss (mean of last 1)"))
     fp8 = float(_summary_value(out, "fp8 final loss (mean of last 1)"))
     assert abs(fp8 - bf16) <= 0.05 * bf16
+
+
+def test_fp8_example_without_torchao_says_what_to_install(tmp_path: Path) -> None:
+    # torchao blocked in sys.modules (import fails), as on a machine without it.
+    code = (
+        "import runpy, sys; sys.modules['torchao'] = None; sys.argv = ['fp8.py', '--smoke']; "
+        f"runpy.run_path({str(EXAMPLES / 'fp8.py')!r}, run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("fp8.py: AMPPrecision(fp8=") and "HINT: pip install" in lines[0]
