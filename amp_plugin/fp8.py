@@ -11,12 +11,15 @@ Which layers (:func:`select_layers`), by default:
 * only layers with both dimensions ``>= min_features`` (default :data:`MIN_FEATURES` = 1024):
   below that the casts to fp8 cost more than the fp8 matmul saves (torchao's own automatic
   filter, tuned on H100, skips layers below about that size too);
+* never ``nn.MultiheadAttention``'s ``out_proj`` (attention reads its weight directly, so a
+  Float8Linear there would never run) nor an ``nn.Linear`` subclass that overrides ``forward``
+  (torchao's Float8Linear would replace that forward);
 * never the first and the last ``nn.Linear`` of the model (in registration order: typically an
   input projection and the LM head), nor a layer whose weight is shared with another module (a
   tied embedding): these are the layers where fp8's 3-4 significant bits hurt accuracy most.
 
 A user filter (``filter=``: fully-qualified layer names, or a predicate ``(module, name) -> bool``)
-replaces the size and first/last rules; the multiple-of-16 rule always holds.
+replaces the size and first/last rules; the multiple-of-16 and own-forward rules always hold.
 
 Checkpoints stay ordinary: torchao's ``Float8Linear`` keeps the original fp32 parameters, so its
 state dict holds plain tensors under the same keys (with ``all_gather=True`` the weight is a
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, cast
 
 from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from amp_plugin._imports import require_torchao
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
@@ -288,7 +292,8 @@ def select_layers(model: nn.Module, spec: Float8 | str = "tensorwise") -> Float8
     """Decide which ``nn.Linear`` layers of ``model`` run in fp8; change nothing (torchao is not needed).
 
     Raises ``ValueError`` when ``spec.filter`` names a module that is not an ``nn.Linear`` of
-    ``model``, or one whose dimensions are not multiples of 16.
+    ``model``, or one that no filter can convert (dimensions not multiples of 16, attention's
+    ``out_proj``, a subclass with its own ``forward``).
 
     Example:
         >>> from torch import nn
@@ -314,8 +319,8 @@ def _reason(
     spec: Float8, name: str, linear: nn.Linear, index: int, count: int, shared: set[int]
 ) -> str | None:
     """Why ``linear`` stays in high precision, or ``None`` when it runs in fp8."""
-    if linear.in_features % FP8_MULTIPLE or linear.out_features % FP8_MULTIPLE:
-        return f"dims {linear.in_features}x{linear.out_features} not multiples of {FP8_MULTIPLE}"
+    if (reason := _cannot_convert(linear)) is not None:
+        return reason
     if spec.filter is None:
         return _default_reason(spec, linear, index, count, shared)
     chosen = spec.filter(linear, name) if callable(spec.filter) else name in spec.filter
@@ -333,18 +338,29 @@ def _check_named_filter(spec: Float8, linears: dict[str, nn.Linear]) -> None:
             allowed=f"names of the model's nn.Linear layers; not one: {unknown[:5]}",
             hint="use the names of model.named_modules() (e.g. 'blocks.0.mlp.fc1'), or a predicate.",
         )
-    odd = sorted(n for n in spec.filter if _not_fp8_shaped(linears[n]))
+    odd = sorted(n for n in spec.filter if _cannot_convert(linears[n]) is not None)
     if odd:
         fail(
             "Float8",
             passed=f"filter={sorted(spec.filter)!r:.80}",
-            allowed=f"layers whose in/out features are multiples of {FP8_MULTIPLE}; not so: {odd[:5]}",
+            allowed=(
+                f"plain nn.Linear layers whose in/out features are multiples of {FP8_MULTIPLE}; "
+                f"not so: {odd[:5]} ({_cannot_convert(linears[odd[0]])})"
+            ),
             hint="leave those layers out of the filter (they run in bf16), or pad their dimensions.",
         )
 
 
-def _not_fp8_shaped(linear: nn.Linear) -> bool:
-    return bool(linear.in_features % FP8_MULTIPLE or linear.out_features % FP8_MULTIPLE)
+def _cannot_convert(linear: nn.Linear) -> str | None:
+    """Why no filter can put ``linear`` in fp8 (the rules that always hold), or ``None``."""
+    if linear.in_features % FP8_MULTIPLE or linear.out_features % FP8_MULTIPLE:
+        return f"dims {linear.in_features}x{linear.out_features} not multiples of {FP8_MULTIPLE}"
+    if isinstance(linear, NonDynamicallyQuantizableLinear):
+        # MultiheadAttention's forward reads out_proj.weight itself: a Float8Linear there never runs.
+        return "MultiheadAttention's out_proj (its forward never runs)"
+    if type(linear).forward is not nn.Linear.forward and not _is_float8(linear):
+        return f"{type(linear).__name__} overrides forward (torchao's Float8Linear would replace it)"
+    return None
 
 
 def convert(model: nn.Module, spec: Float8 | str = "tensorwise") -> Float8Report:
@@ -443,8 +459,8 @@ def float8_layer_names(model: nn.Module) -> tuple[str, ...]:
         >>> float8_layer_names(nn.Linear(16, 16))
         ()
     """
-    return tuple(
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and type(module).__module__.startswith("torchao.")
-    )
+    return tuple(name for name, module in model.named_modules() if _is_float8(module))
+
+
+def _is_float8(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).__module__.startswith("torchao.")
