@@ -223,7 +223,7 @@ class AMPPrecision(MixedPrecision):
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
         if self.fp8 is not None:
-            self.fp8_report = fp8_layers.convert(module, self.fp8)
+            self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
             rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
         return module
 

@@ -133,6 +133,26 @@ def test_convert_keeps_a_subclass_forward() -> None:
     assert torch.equal(model[1](x), expected)
 
 
+class _Fp32Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_layers_in_fp32_modules_stay_out() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), _Fp32Block(), nn.Linear(64, 64), nn.Linear(64, 64))
+    for spec in (SMALL, Float8(filter=lambda m, n: True)):
+        report = select_layers(model, spec, fp32_modules=(_Fp32Block,))
+        assert "1.fc" not in report.converted_names
+        assert {c.name: c.reason for c in report.left_out}["1.fc"] == "in fp32_modules (_Fp32Block)"
+    assert select_layers(model, SMALL, fp32_modules=(nn.Linear,)).converted_names == ()
+    with pytest.raises(ValueError, match=r"not so: \['1.fc'\] \(in fp32_modules"):
+        select_layers(model, Float8(filter={"1.fc"}), fp32_modules=(_Fp32Block,))
+
+
 @pytest.mark.parametrize(
     ("spec", "error", "match"),
     [
@@ -154,7 +174,7 @@ def test_named_filter_must_name_fp8_shaped_linears() -> None:
     model = nn.Sequential(nn.Linear(16, 20), nn.ReLU(), nn.Linear(20, 16))
     with pytest.raises(ValueError, match=r"not one: \['1', 'nope'\].*HINT: use the names"):
         select_layers(model, Float8(filter={"1", "nope"}))
-    with pytest.raises(ValueError, match=r"multiples of 16; not so: \['0'\].*HINT: leave those"):
+    with pytest.raises(ValueError, match=r"outside fp32_modules; not so: \['0'\].*HINT: leave those"):
         select_layers(model, Float8(filter={"0"}))
 
 

@@ -204,7 +204,7 @@ class AMPPrecision(MixedPrecision):
             device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
             self._half.convert(module, self._settings(device)[1], self.fp32_modules)
         if self.fp8 is not None:
-            self.fp8_report = fp8_layers.convert(module, self.fp8)
+            self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
         return module
 
     @override
