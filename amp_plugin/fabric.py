@@ -143,6 +143,7 @@ class AMPPrecision(MixedPrecision):
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
         self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
         self._attached: set[int] = set()  # id() of the optimizers checked and handed to the half weights
+        self._replaced: dict[Tensor, Tensor] = {}  # parameters the fp8 conversion replaced -> the new ones
 
     @classmethod
     def from_opt_level(cls, level: Literal["O0", "O1", "O2", "O3"], **overrides: Any) -> AMPPrecision:
@@ -223,7 +224,13 @@ class AMPPrecision(MixedPrecision):
         if self._fp32_hooks is None and self.fp32_modules:
             self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
         if self.fp8 is not None:
+            before = dict(module.named_parameters())
             self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
+            # torchao's fp8 all-gather wraps each converted weight in a new Parameter, and the
+            # optimizers handed to fabric.setup were built on the old ones: attach re-points them.
+            self._replaced = {
+                before[n]: p for n, p in module.named_parameters() if n in before and before[n] is not p
+            }
             rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
         return module
 
@@ -252,6 +259,7 @@ class AMPPrecision(MixedPrecision):
             opt = unwrap_optimizer(optimizer)
             if id(opt) in self._attached:
                 continue
+            _repoint(opt, self._replaced)
             module = None if self._module is None else self._module()
             if module is not None:
                 weights = "fp32" if self._half is None else "master" if self.master_weights else "half"
@@ -452,6 +460,16 @@ class AMPPrecision(MixedPrecision):
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None
+
+
+def _repoint(opt: Optimizer, replaced: dict[Tensor, Tensor]) -> None:
+    """Let ``opt`` step the parameters that replaced the ones it was built on (state included)."""
+    if not replaced:
+        return
+    for group in opt.param_groups:
+        group["params"] = [replaced.get(p, p) for p in group["params"]]
+    for old in [p for p in opt.state if p in replaced]:
+        opt.state[replaced[old]] = opt.state.pop(old)
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:

@@ -391,7 +391,10 @@ def convert(
     """Swap the layers :func:`select_layers` chooses for torchao's ``Float8Linear``, in place.
 
     The parameters are kept (the same ``nn.Parameter`` objects, so optimizers built before still
-    step them), and the state dict keeps its keys and plain tensors. Layers that run in fp8
+    step them), except with ``all_gather=True``: torchao wraps each converted weight in a new
+    ``nn.Parameter`` (on the same storage), so build optimizers after the conversion (Fabric's
+    ``AMPPrecision`` re-points the optimizers handed to ``fabric.setup``). The state dict keeps
+    its keys and plain tensors. Layers that run in fp8
     already are left as they are. Needs torchao (``ImportError`` with the install command).
 
     Example:

@@ -302,3 +302,26 @@ def test_fp32_modules_stay_out_of_fp8_and_in_fp32_under_fabric() -> None:
     net[1].fc.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     assert model(torch.randn(4, 64)).dtype == torch.float32
     assert seen == [torch.float32]  # the block ran in fp32 with autocast off
+
+
+def test_fabric_fp8_all_gather_steps_the_weights_the_model_uses() -> None:
+    # torchao's fp8 all-gather wraps each converted weight in a new Parameter; an optimizer built
+    # before fabric.setup (Fabric's usual order) held the old ones and never moved those layers.
+    from lightning.fabric import Fabric
+
+    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+
+    plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp8=Float8(min_features=64, all_gather=True))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    net = TinyLM()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert len(float8_layer_names(net)) == 7
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    tokens, targets = batches(1)[0]
+    fabric.backward(lm_loss(model, tokens, targets))
+    opt.step()
+    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+    assert all(id(p) in stepped for p in net.parameters())
+    fc1 = net.blocks[0].fc1.weight
+    assert not torch.equal(before["blocks.0.fc1.weight"], fc1.detach())
