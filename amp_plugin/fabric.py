@@ -38,6 +38,7 @@ from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
 from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
+from amp_plugin.lightning import checkpoint as checkpoints
 from amp_plugin.lightning._monitor_values import amp_metrics
 from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.master_weights import MasterWeights
@@ -435,7 +436,9 @@ class AMPPrecision(MixedPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s result, or the state of Fabric's ``MixedPrecision`` (a GradScaler's).
 
-        Everything is checked before anything changes.
+        Everything is checked before anything changes. A state saved in another precision warns, as
+        in the Trainer: an fp16 scale in a run without a scaler is ignored, and an fp16 run resumed
+        from a state without one starts its scale afresh.
         """
         scaler_state = {k: v for k, v in state_dict.items() if k not in ("guard", "rounding")}
         guard_state = state_dict.get("guard") if self.scaler is None else None
@@ -445,8 +448,8 @@ class AMPPrecision(MixedPrecision):
             self.guard.check_state_dict(guard_state)
         if self._half is not None:
             self._half.check({}, state_dict)
-        if self.scaler is not None and scaler_state:
-            self.scaler.load_state_dict(scaler_state)
+        if self.scaler is not None or scaler_state:  # a precision switch warns, as in the Trainer
+            checkpoints.load_scaler_state(self.scaler, scaler_state)
         if isinstance(guard_state, dict) and guard_state and self.guard is not None:
             self.guard.load_state_dict(guard_state)
         if self._half is not None:

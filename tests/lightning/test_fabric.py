@@ -150,6 +150,28 @@ def test_a_resume_through_fabric_save_and_load_continues_bit_exactly(tmp_path: P
     assert resumed.state_dict() == straight_state
 
 
+@pytest.mark.parametrize(
+    ("saved", "loaded", "match"),
+    [
+        ("16-mixed", "bf16-mixed", "holds a loss-scaler state, but this bf16 run has no scaler: ignored"),
+        ("bf16-mixed", "16-mixed", "holds no loss-scaler state .* the scale starts afresh"),
+    ],
+)
+def test_a_resume_in_another_precision_says_what_happened_to_the_scale(
+    tmp_path: Path, saved: str, loaded: str, match: str
+) -> None:
+    # As the Trainer plugin does: the scale is dropped or starts afresh, and the user is told so.
+    fabric, model, opt = _setup(plugin := AMPPrecision(saved, device="cpu"))  # type: ignore[arg-type]
+    _train(fabric, model, opt, range(2))
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt, "amp": plugin})
+    fabric, model, opt = _setup(resumed := AMPPrecision(loaded, device="cpu"))  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=match):
+        fabric.load(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt, "amp": resumed})
+    assert resumed.metrics()["amp/skipped_steps"] == 0.0
+    _train(fabric, model, opt, range(2, 4))
+    assert not resumed.last_step_skipped
+
+
 def test_bf16_autocasts_without_a_scaler() -> None:
     plugin = AMPPrecision("bf16-mixed", device="cpu")
     fabric, model, opt = _setup(plugin)
