@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
-from lightning.fabric.utilities import rank_zero_info
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -277,6 +277,8 @@ class AMPPrecision(MixedPrecision):
             if self._half is not None:
                 self._refuse_early_state(opt)
                 self._half.attach([opt])
+            elif self.scaler is None and self.guard is not None and checks.is_lbfgs(opt):
+                rank_zero_warn(checks.LBFGS_UNGUARDED)
             self._attached.add(id(opt))
 
     def _refuse_early_state(self, opt: Optimizer) -> None:
@@ -321,8 +323,12 @@ class AMPPrecision(MixedPrecision):
 
         Every precision is checked (see :attr:`guard`); the scale is updated after the step.
         """
-        if self._driver.scaler is not None and checks.is_lbfgs(optimizer):
-            raise TypeError(checks.LBFGS_REFUSAL)
+        if checks.is_lbfgs(optimizer):
+            if self.scaler is not None:
+                raise TypeError(checks.LBFGS_REFUSAL)
+            if self._half is None:  # LBFGS runs its closure itself, several times per step
+                self.attach(optimizer)
+                return optimizer.step(**kwargs)
         self.attach(optimizer)
         # fabric.clip_gradients (the only thing between backward and step) has unscaled already.
         return self._driver.step(optimizer, lambda: False, observe_unscaled=False, **kwargs)

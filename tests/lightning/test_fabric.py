@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
-from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 import amp_plugin
@@ -200,6 +200,34 @@ def test_a_torch_grad_scaler_is_converted_with_its_settings() -> None:
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         AMPPrecision(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_lbfgs_without_a_loss_scaler_steps_with_its_closure(precision: str) -> None:
+    # The fp16 refusal's HINT says bf16-mixed: there LBFGS steps (unguarded, with a warning), as
+    # under Fabric's own plugins.
+    def run(plugin: Any) -> nn.Module:
+        fabric = _fabric(plugin)
+        model = _net()
+        model, opt = fabric.setup(model, torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3))
+        x, y = _batch(0)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            fabric.backward(loss)
+            return loss
+
+        for _ in range(2):
+            opt.step(closure)
+        return model
+
+    reference = MixedPrecision("bf16-mixed", "cpu") if precision == "bf16-mixed" else Precision()
+    oracle = run(reference)
+    with pytest.warns(UserWarning, match=r"LBFGS.*not checked"):
+        ours = run(AMPPrecision(precision, device="cpu"))  # type: ignore[arg-type]
+    assert torch.equal(_flat(ours), _flat(oracle))
+    assert not torch.equal(_flat(ours), _flat(_net()))
 
 
 def test_lbfgs_is_refused_under_loss_scaling() -> None:
