@@ -219,6 +219,7 @@ class AMPPrecision(MixedPrecision):
         ``fabric.setup`` calls this before it wraps the model, so the masters are made from the
         values the model holds (fp32 ones are not rounded).
         """
+        self._refuse_second_model(module)
         if self._half is not None:
             self._half.convert(module, self.dtype, self.fp32_modules)
         self._module = weakref.ref(module)
@@ -234,6 +235,21 @@ class AMPPrecision(MixedPrecision):
             }
             rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
         return module
+
+    def _refuse_second_model(self, module: nn.Module) -> None:
+        first = None if self._module is None else self._module()
+        if not self.master_weights or first is None or first is module:
+            return
+        fail(
+            "AMPPrecision(master_weights=True)",
+            passed=f"a second model ({type(module).__name__}) to fabric.setup",
+            allowed=f"one model per plugin: the fp32 masters belong to the first ({type(first).__name__})",
+            hint=(
+                "set up the models as one module, e.g. fabric.setup(nn.ModuleDict({'g': g, 'd': d}), "
+                "opt_g, opt_d), and call them inside `with fabric.autocast():`; or use a '-true' "
+                "precision (rounding='stochastic' or 'kahan'), which keeps no masters."
+            ),
+        )
 
     # -- the optimizers ----------------------------------------------------------------------------
 
