@@ -141,7 +141,10 @@ class AMPPrecision(MixedPrecision):
         if scaler is None and guard:  # bf16/fp32: nothing to scale, but every step is still checked
             scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
         self._driver = StepDriver(scaler, None if self._half is None else self._half.before_step)
-        self._fp32_hooks: fp32_policy.Fp32Modules | None = None
+        # Per model set up (a GAN sets up two), removed at teardown.
+        self._fp32_hooks: weakref.WeakKeyDictionary[nn.Module, fp32_policy.Fp32Modules] = (
+            weakref.WeakKeyDictionary()
+        )
         self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
         self._attached: set[int] = set()  # id() of the optimizers checked and handed to the half weights
         self._replaced: dict[Tensor, Tensor] = {}  # parameters the fp8 conversion replaced -> the new ones
@@ -223,9 +226,7 @@ class AMPPrecision(MixedPrecision):
         if self._half is not None:
             self._half.convert(module, self.dtype, self.fp32_modules)
         self._module = weakref.ref(module)
-        if self._fp32_hooks is None and self.fp32_modules:
-            self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
-        if self.fp8 is not None:
+        if self.fp8 is not None:  # before the fp32 hooks: a failed conversion leaves none behind
             before = dict(module.named_parameters())
             self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
             # torchao's fp8 all-gather wraps each converted weight in a new Parameter, and the
@@ -234,6 +235,8 @@ class AMPPrecision(MixedPrecision):
                 before[n]: p for n, p in module.named_parameters() if n in before and before[n] is not p
             }
             rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
+        if self.fp32_modules and module not in self._fp32_hooks:
+            self._fp32_hooks[module] = fp32_policy.force_fp32(module, self.fp32_modules)
         return module
 
     def _refuse_second_model(self, module: nn.Module) -> None:
@@ -482,9 +485,9 @@ class AMPPrecision(MixedPrecision):
         self._attached.clear()
         if self._half is not None:
             self._half.detach()
-        if self._fp32_hooks is not None:
-            self._fp32_hooks.remove()
-            self._fp32_hooks = None
+        for hooks in self._fp32_hooks.values():
+            hooks.remove()
+        self._fp32_hooks.clear()
 
 
 def _repoint(opt: Optimizer, replaced: dict[Tensor, Tensor]) -> None:

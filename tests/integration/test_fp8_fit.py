@@ -325,3 +325,22 @@ def test_fabric_fp8_all_gather_steps_the_weights_the_model_uses() -> None:
     assert all(id(p) in stepped for p in net.parameters())
     fc1 = net.blocks[0].fc1.weight
     assert not torch.equal(before["blocks.0.fc1.weight"], fc1.detach())
+
+
+def test_a_failed_fabric_fp8_conversion_leaves_no_fp32_hooks_behind() -> None:
+    from lightning.fabric import Fabric
+
+    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+
+    def broken(module: torch.nn.Module, name: str) -> bool:
+        raise AttributeError("a bug in the user's filter")
+
+    plugin = FabricAMPPrecision(
+        "bf16-mixed", device="cpu", fp8=Float8(filter=broken), fp32_modules=(torch.nn.LayerNorm,)
+    )
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = TinyLM()
+    with pytest.raises(AttributeError, match="a bug in the user's filter"):
+        fabric.setup(model)
+    assert float8_layer_names(model) == ()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

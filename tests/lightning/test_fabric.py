@@ -452,3 +452,17 @@ def test_fabrics_plugin_in_a_trainer_is_refused_naming_the_trainer_import() -> N
         Exception, match=r"amp_plugin\.fabric\.AMPPrecision.*Trainer.* amp_plugin\.AMPPrecision"
     ):
         Trainer(accelerator="cpu", plugins=[AMPPrecision("16-mixed", device="cpu")], logger=False)
+
+
+def test_fp32_modules_run_in_fp32_in_every_model_set_up() -> None:
+    # A GAN sets up two models with one plugin: the second one's fp32 modules were left under autocast.
+    plugin = AMPPrecision("bf16-mixed", device="cpu", fp32_modules=(nn.LayerNorm,))
+    fabric = _fabric(plugin)
+    models = [fabric.setup(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))) for _ in range(2)]
+    seen: list[torch.dtype] = []
+    for model in models:
+        model.module[1].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+        model(torch.randn(2, 4))
+    assert seen == [torch.float32, torch.float32]
+    plugin.teardown()
+    assert not any(m._forward_pre_hooks for model in models for m in model.modules())
