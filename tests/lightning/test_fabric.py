@@ -358,6 +358,25 @@ def test_true_precisions_switch_the_default_dtype_as_halfprecision_does(
     assert model(torch.randn(2, 8)).dtype == torch.float32  # Fabric hands outputs back in fp32
 
 
+@pytest.mark.parametrize("context", ["module_init_context", "tensor_init_context", "forward_context"])
+def test_the_default_dtype_is_restored_after_an_error_and_when_nested(context: str) -> None:
+    # Lightning's own test_default_dtype_is_restored, for this plugin; and nested in each other.
+    plugin = AMPPrecision("bf16-true", device="cpu")
+    seen: list[torch.dtype] = []
+
+    def fails_inside() -> None:
+        with getattr(plugin, context)():
+            seen.append(torch.get_default_dtype())
+            raise KeyError
+
+    with pytest.raises(KeyError):
+        fails_inside()
+    assert seen == [torch.bfloat16] and torch.get_default_dtype() == torch.float32
+    with plugin.module_init_context(), getattr(plugin, context)():
+        pass
+    assert torch.get_default_dtype() == torch.float32
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
 def test_other_precisions_leave_the_default_dtype_alone(precision: str) -> None:
     plugin = AMPPrecision(precision, device="cpu")
