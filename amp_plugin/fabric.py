@@ -231,9 +231,9 @@ class AMPPrecision(MixedPrecision):
             self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
             # torchao's fp8 all-gather wraps each converted weight in a new Parameter, and the
             # optimizers handed to fabric.setup were built on the old ones: attach re-points them.
-            self._replaced = {
-                before[n]: p for n, p in module.named_parameters() if n in before and before[n] is not p
-            }
+            self._replaced.update(
+                (before[n], p) for n, p in module.named_parameters() if n in before and before[n] is not p
+            )
             rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
         if self.fp32_modules and module not in self._fp32_hooks:
             self._fp32_hooks[module] = fp32_policy.force_fp32(module, self.fp32_modules)

@@ -344,3 +344,20 @@ def test_a_failed_fabric_fp8_conversion_leaves_no_fp32_hooks_behind() -> None:
         fabric.setup(model)
     assert float8_layer_names(model) == ()
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_fabric_fp8_all_gather_repoints_the_first_models_optimizer_after_a_second_setup() -> None:
+    from lightning.fabric import Fabric
+
+    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+
+    plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp8=Float8(min_features=64, all_gather=True))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    nets = [TinyLM(), TinyLM()]
+    (first, first_opt), _ = (fabric.setup(n, torch.optim.SGD(n.parameters(), lr=0.1)) for n in nets)
+    tokens, targets = batches(1)[0]
+    fabric.backward(lm_loss(first, tokens, targets))
+    first_opt.step()
+    stepped = {id(p) for group in first_opt.param_groups for p in group["params"]}
+    assert all(id(p) in stepped for p in nets[0].parameters())
