@@ -146,6 +146,7 @@ class AMPPrecision(MixedPrecision):
             weakref.WeakKeyDictionary()
         )
         self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
+        self._models: list[weakref.ref[nn.Module]] = []  # every model set up (a GAN has two)
         self._attached: set[int] = set()  # id() of the optimizers checked and handed to the half weights
         self._replaced: dict[Tensor, Tensor] = {}  # parameters the fp8 conversion replaced -> the new ones
 
@@ -226,6 +227,8 @@ class AMPPrecision(MixedPrecision):
         if self._half is not None:
             self._half.convert(module, self.dtype, self.fp32_modules)
         self._module = weakref.ref(module)
+        if all(ref() is not module for ref in self._models):
+            self._models.append(weakref.ref(module))
         if self.fp8 is not None:  # before the fp32 hooks: a failed conversion leaves none behind
             before = dict(module.named_parameters())
             self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
@@ -280,7 +283,7 @@ class AMPPrecision(MixedPrecision):
             if id(opt) in self._attached:
                 continue
             _repoint(opt, self._replaced)
-            module = None if self._module is None else self._module()
+            module = self._model_of(opt)
             if module is not None:
                 weights = "fp32" if self._half is None else "master" if self.master_weights else "half"
                 grad_scaling = self.scaler is not None
@@ -299,6 +302,15 @@ class AMPPrecision(MixedPrecision):
             elif self.scaler is None and self.guard is not None and checks.is_lbfgs(opt):
                 rank_zero_warn(checks.LBFGS_UNGUARDED)
             self._attached.add(id(opt))
+
+    def _model_of(self, opt: Optimizer) -> nn.Module | None:
+        """The model(s) set up whose parameters ``opt`` steps (the latest model if none)."""
+        params = {id(p) for group in opt.param_groups for p in group["params"]}
+        models = [m for ref in self._models if (m := ref()) is not None]
+        owners = [m for m in models if any(id(p) in params for p in m.parameters())]
+        if len(owners) > 1:  # one optimizer for several models: check it against all of them
+            return nn.ModuleList(owners)
+        return owners[0] if owners else None if self._module is None else self._module()
 
     def _refuse_early_state(self, opt: Optimizer) -> None:
         masters = self.masters

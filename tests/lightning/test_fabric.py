@@ -485,3 +485,23 @@ def test_fp32_modules_run_in_fp32_in_every_model_set_up() -> None:
     assert seen == [torch.float32, torch.float32]
     plugin.teardown()
     assert not any(m._forward_pre_hooks for model in models for m in model.modules())
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "bf16-true"])
+def test_each_optimizer_is_checked_against_the_model_it_steps(precision: str) -> None:
+    # A GAN sets up two models: the first one's optimizer was checked against the second model
+    # and warned that its parameters were "not in the model".
+    fabric = _fabric(AMPPrecision(precision, device="cpu"))  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    g, d = nn.Linear(4, 4), nn.Linear(4, 1)
+    (g, opt_g), (d, opt_d) = (fabric.setup(m, torch.optim.Adam(m.parameters(), eps=1e-4)) for m in (g, d))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not in the model")
+        for _ in range(2):
+            z = torch.randn(2, 4)
+            fabric.backward(d(g(z).detach()).float().mean())
+            opt_d.step()
+            opt_d.zero_grad()
+            fabric.backward(-d(g(z)).float().mean())
+            opt_g.step()
+            opt_g.zero_grad()
