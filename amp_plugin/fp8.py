@@ -394,8 +394,8 @@ def convert(
     step them), except with ``all_gather=True``: torchao wraps each converted weight in a new
     ``nn.Parameter`` (on the same storage), so build optimizers after the conversion (Fabric's
     ``AMPPrecision`` re-points the optimizers handed to ``fabric.setup``). The state dict keeps
-    its keys and plain tensors. Layers that run in fp8
-    already are left as they are. Needs torchao (``ImportError`` with the install command).
+    its keys and plain tensors. Layers that run in fp8 already are left as they are. Needs
+    torchao (``ImportError`` with the install command).
 
     Example:
         >>> from torch import nn
