@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -190,3 +193,19 @@ def leave_gloo() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` by path: the examples are scripts, not a package."""
+    if str(EXAMPLES) not in sys.path:  # the examples import each other's helpers by module name
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {EXAMPLES / name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module

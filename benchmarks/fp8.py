@@ -29,7 +29,16 @@ from typing import Any
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # on CPU its CUDA kernels cannot load
 
 import torch
-from _common import Case, default_device, environment, format_table, measure, median_ms, write_json
+from _common import (
+    Case,
+    default_device,
+    environment,
+    format_table,
+    load_example,
+    measure,
+    median_ms,
+    write_json,
+)
 from torch import Tensor, nn
 
 from amp_plugin import _imports
@@ -40,21 +49,8 @@ VOCAB, SEQ = 256, 64
 TARGET = 1.3
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.norm1, self.norm2, self.heads = nn.LayerNorm(dim), nn.LayerNorm(dim), heads
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        att = nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+EXAMPLE = load_example("fp8")
+Block = EXAMPLE.Block  # the example's transformer block and data: one definition
 
 
 class LM(nn.Module):
@@ -69,17 +65,9 @@ class LM(nn.Module):
 
 
 def batches(count: int, batch: int, device: str = "cpu") -> list[tuple[Tensor, Tensor]]:
-    """Token sequences from a fixed random bigram table (learnable; the same on every call)."""
-    gen = torch.Generator().manual_seed(0)
-    table = torch.randint(0, VOCAB, (VOCAB,), generator=gen)
-    out = []
-    for _ in range(count):
-        seq = [torch.randint(0, VOCAB, (batch, 1), generator=gen)]
-        for _ in range(SEQ):
-            seq.append(table[seq[-1]])
-        tokens = torch.cat(seq, dim=1).to(device)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
+    """The example's bigram token sequences, at this benchmark's vocabulary and length."""
+    data = EXAMPLE.bigram_batches(count, batch, vocab=VOCAB, length=SEQ, seed=0)
+    return [(tokens.to(device), targets.to(device)) for tokens, targets in data]
 
 
 def loss_of(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:

@@ -55,7 +55,6 @@ Run ``python benchmarks/training_speed.py --help`` for the options.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import statistics
 import sys
@@ -63,12 +62,11 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
-from _common import default_device, environment, format_table, synchronize, write_json
+from _common import default_device, environment, format_table, load_example, synchronize, write_json
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
@@ -77,7 +75,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from amp_plugin import AMPPrecision
 from amp_plugin.diagnostics.host_reads import HostReads
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FP32 = "fp32"
 MP_BF16, AMP_BF16 = "Lightning MixedPrecision bf16", "AMPPrecision bf16"
 MP_FP16, AMP_FP16 = "Lightning MixedPrecision fp16 + GradScaler", "AMPPrecision fp16 + LossScaler"
@@ -94,19 +91,6 @@ QUICK = {"rounds": 2, "steps": 8, "tiny_steps": 40, "warmup": 3}
 # reported, a typical step (an fp16 step that overflows now and then reads less).
 READ_WARMUP, READ_STEPS = 8, 5
 _BANNERS = ("available:", "Tip: For seamless cloud logging", "`Trainer.fit` stopped")
-
-
-def _load_example(name: str) -> ModuleType:
-    """Import ``examples/<name>.py`` by path: the examples are scripts, not a package."""
-    if str(EXAMPLES) not in sys.path:  # the examples import each other's helpers by module name
-        sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {EXAMPLES / name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass(frozen=True)
@@ -190,7 +174,7 @@ def workloads(
 
     The transformer and the MLP come once per optimizer in ``optimizers``.
     """
-    quickstart, fp16_example = _load_example("quickstart"), _load_example("fp16_scaler")
+    quickstart, fp16_example = load_example("quickstart"), load_example("fp16_scaler")
     cuda = device == "cuda"
     big = {"d_model": 1024, "layers": 8, "heads": 16, "batch_size": 256}
     tconfig = quickstart.Config(**big) if cuda else quickstart.Config(d_model=256, batch_size=64)

@@ -75,13 +75,16 @@ class LanguageModel(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=2e-3)
 
 
-def bigram_batches(count: int, batch: int = 16) -> list[tuple[Tensor, Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    table = torch.randint(0, VOCAB, (VOCAB,), generator=gen)
+def bigram_batches(
+    count: int, batch: int = 16, vocab: int = VOCAB, length: int = SEQ, seed: int = 1
+) -> list[tuple[Tensor, Tensor]]:
+    """Token sequences from a fixed random bigram table (learnable; the same on every call)."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, vocab, (vocab,), generator=gen)
     out = []
     for _ in range(count):
-        seq = [torch.randint(0, VOCAB, (batch, 1), generator=gen)]
-        for _ in range(SEQ):
+        seq = [torch.randint(0, vocab, (batch, 1), generator=gen)]
+        for _ in range(length):
             seq.append(table[seq[-1]])
         tokens = torch.cat(seq, dim=1)
         out.append((tokens[:, :-1], tokens[:, 1:]))

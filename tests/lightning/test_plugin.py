@@ -40,6 +40,19 @@ def test_every_mixed_precision_method_is_our_own() -> None:
     assert inherited <= mine, sorted(inherited - mine)
 
 
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_every_attribute_mixed_precision_init_sets_is_set_without_calling_it(precision: str) -> None:
+    """AMPPrecision inherits MixedPrecision (ThroughputMonitor, Lightning's checkpoint connector and
+    user isinstance checks treat it as one) but does not run its __init__, which accepts only the
+    two "-mixed" strings, needs the device up front and builds a torch GradScaler. What that
+    __init__ sets, ours sets too, with the same meaning (a new attribute there fails here)."""
+    theirs = MixedPrecision(precision, "cpu")  # type: ignore[arg-type]
+    ours = AMPPrecision(precision, device="cpu")  # type: ignore[arg-type]
+    assert set(vars(theirs)) <= set(vars(ours)), sorted(set(vars(theirs)) - set(vars(ours)))
+    assert (ours.precision, ours.device) == (theirs.precision, theirs.device)
+    assert (ours.scaler is None) == (theirs.scaler is None)
+
+
 def test_fsdp_strategy_refuses_the_plugin_loudly() -> None:
     """Lightning's FSDP strategy accepts only its FSDPPrecision: the failure is loud, never silent."""
     from lightning.pytorch.strategies import FSDPStrategy
@@ -269,3 +282,12 @@ def test_convert_module_casts_a_plain_module_as_halfprecision(precision: str, dt
     module = nn.Linear(2, 2)
     converted = AMPPrecision(precision).convert_module(module)  # type: ignore[arg-type]
     assert converted.weight.dtype == converted.bias.dtype == dtype
+
+
+@pytest.mark.parametrize(("precision", "seen"), [("bf16-true", torch.float16), ("32-true", torch.float16)])
+def test_throughput_monitor_reads_fp16_for_true_precisions_as_the_docs_say(
+    precision: str, seen: torch.dtype
+) -> None:
+    """docs/scaler.md states this limit of Lightning's ThroughputMonitor; a Lightning fix fails here."""
+    plugin = AMPPrecision(precision, device="cpu")  # type: ignore[arg-type]
+    assert throughput_monitor._plugin_to_compute_dtype(plugin) == seen
