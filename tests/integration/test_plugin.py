@@ -452,13 +452,13 @@ def test_lbfgs_without_a_loss_scaler_steps_with_its_closure_as_lightning_does(pr
     reference = MixedPrecision("bf16-mixed", "cpu") if precision == "bf16-mixed" else "32-true"
     trainer = Trainer(
         accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.01,
         **({"plugins": [reference]} if precision == "bf16-mixed" else {"precision": reference}),
     )  # fmt: skip
     trainer.fit(oracle, _loader())
     module = WithLBFGS(poison=())
     with pytest.warns(UserWarning, match=r"LBFGS.*not checked"):
-        _fit(module, AMPPrecision(precision, device="cpu"), steps=2)  # type: ignore[arg-type]
+        _fit(module, AMPPrecision(precision, device="cpu"), steps=2, gradient_clip_val=0.01)  # type: ignore[arg-type]
     for ours, theirs in zip(module.parameters(), oracle.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
