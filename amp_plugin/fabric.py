@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
-from lightning.fabric.utilities import rank_zero_info
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -38,6 +38,7 @@ from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
 from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
+from amp_plugin.lightning import checkpoint as checkpoints
 from amp_plugin.lightning._monitor_values import amp_metrics
 from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.master_weights import MasterWeights
@@ -140,9 +141,14 @@ class AMPPrecision(MixedPrecision):
         if scaler is None and guard:  # bf16/fp32: nothing to scale, but every step is still checked
             scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
         self._driver = StepDriver(scaler, None if self._half is None else self._half.before_step)
-        self._fp32_hooks: fp32_policy.Fp32Modules | None = None
+        # Per model set up (a GAN sets up two), removed at teardown.
+        self._fp32_hooks: weakref.WeakKeyDictionary[nn.Module, fp32_policy.Fp32Modules] = (
+            weakref.WeakKeyDictionary()
+        )
         self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
+        self._models: list[weakref.ref[nn.Module]] = []  # every model set up (a GAN has two)
         self._attached: set[int] = set()  # id() of the optimizers checked and handed to the half weights
+        self._replaced: dict[Tensor, Tensor] = {}  # parameters the fp8 conversion replaced -> the new ones
 
     @classmethod
     def from_opt_level(cls, level: Literal["O0", "O1", "O2", "O3"], **overrides: Any) -> AMPPrecision:
@@ -217,15 +223,39 @@ class AMPPrecision(MixedPrecision):
         ``fabric.setup`` calls this before it wraps the model, so the masters are made from the
         values the model holds (fp32 ones are not rounded).
         """
+        self._refuse_second_model(module)
         if self._half is not None:
             self._half.convert(module, self.dtype, self.fp32_modules)
         self._module = weakref.ref(module)
-        if self._fp32_hooks is None and self.fp32_modules:
-            self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
-        if self.fp8 is not None:
-            self.fp8_report = fp8_layers.convert(module, self.fp8)
+        if all(ref() is not module for ref in self._models):
+            self._models.append(weakref.ref(module))
+        if self.fp8 is not None:  # before the fp32 hooks: a failed conversion leaves none behind
+            before = dict(module.named_parameters())
+            self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
+            # torchao's fp8 all-gather wraps each converted weight in a new Parameter, and the
+            # optimizers handed to fabric.setup were built on the old ones: attach re-points them.
+            self._replaced.update(
+                (before[n], p) for n, p in module.named_parameters() if n in before and before[n] is not p
+            )
             rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
+        if self.fp32_modules and module not in self._fp32_hooks:
+            self._fp32_hooks[module] = fp32_policy.force_fp32(module, self.fp32_modules)
         return module
+
+    def _refuse_second_model(self, module: nn.Module) -> None:
+        first = None if self._module is None else self._module()
+        if not self.master_weights or first is None or first is module:
+            return
+        fail(
+            "AMPPrecision(master_weights=True)",
+            passed=f"a second model ({type(module).__name__}) to fabric.setup",
+            allowed=f"one model per plugin: the fp32 masters belong to the first ({type(first).__name__})",
+            hint=(
+                "set up the models as one module, e.g. fabric.setup(nn.ModuleDict({'g': g, 'd': d}), "
+                "opt_g, opt_d), and call them inside `with fabric.autocast():`; or use a '-true' "
+                "precision (rounding='stochastic' or 'kahan'), which keeps no masters."
+            ),
+        )
 
     # -- the optimizers ----------------------------------------------------------------------------
 
@@ -252,7 +282,8 @@ class AMPPrecision(MixedPrecision):
             opt = unwrap_optimizer(optimizer)
             if id(opt) in self._attached:
                 continue
-            module = None if self._module is None else self._module()
+            _repoint(opt, self._replaced)
+            module = self._model_of(opt)
             if module is not None:
                 weights = "fp32" if self._half is None else "master" if self.master_weights else "half"
                 grad_scaling = self.scaler is not None
@@ -268,7 +299,18 @@ class AMPPrecision(MixedPrecision):
             if self._half is not None:
                 self._refuse_early_state(opt)
                 self._half.attach([opt])
+            elif self.scaler is None and self.guard is not None and checks.is_lbfgs(opt):
+                rank_zero_warn(checks.LBFGS_UNGUARDED)
             self._attached.add(id(opt))
+
+    def _model_of(self, opt: Optimizer) -> nn.Module | None:
+        """The model(s) set up whose parameters ``opt`` steps (the latest model if none)."""
+        params = {id(p) for group in opt.param_groups for p in group["params"]}
+        models = [m for ref in self._models if (m := ref()) is not None]
+        owners = [m for m in models if any(id(p) in params for p in m.parameters())]
+        if len(owners) > 1:  # one optimizer for several models: check it against all of them
+            return nn.ModuleList(owners)
+        return owners[0] if owners else None if self._module is None else self._module()
 
     def _refuse_early_state(self, opt: Optimizer) -> None:
         masters = self.masters
@@ -312,8 +354,12 @@ class AMPPrecision(MixedPrecision):
 
         Every precision is checked (see :attr:`guard`); the scale is updated after the step.
         """
-        if self._driver.scaler is not None and checks.is_lbfgs(optimizer):
-            raise TypeError(checks.LBFGS_REFUSAL)
+        if checks.is_lbfgs(optimizer):
+            if self.scaler is not None:
+                raise TypeError(checks.LBFGS_REFUSAL)
+            if self._half is None:  # LBFGS runs its closure itself, several times per step
+                self.attach(optimizer)
+                return optimizer.step(**kwargs)
         self.attach(optimizer)
         # fabric.clip_gradients (the only thing between backward and step) has unscaled already.
         return self._driver.step(optimizer, lambda: False, observe_unscaled=False, **kwargs)
@@ -427,7 +473,9 @@ class AMPPrecision(MixedPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s result, or the state of Fabric's ``MixedPrecision`` (a GradScaler's).
 
-        Everything is checked before anything changes.
+        Everything is checked before anything changes. A state saved in another precision warns, as
+        in the Trainer: an fp16 scale in a run without a scaler is ignored, and an fp16 run resumed
+        from a state without one starts its scale afresh.
         """
         scaler_state = {k: v for k, v in state_dict.items() if k not in ("guard", "rounding")}
         guard_state = state_dict.get("guard") if self.scaler is None else None
@@ -437,8 +485,8 @@ class AMPPrecision(MixedPrecision):
             self.guard.check_state_dict(guard_state)
         if self._half is not None:
             self._half.check({}, state_dict)
-        if self.scaler is not None and scaler_state:
-            self.scaler.load_state_dict(scaler_state)
+        if self.scaler is not None or scaler_state:  # a precision switch warns, as in the Trainer
+            checkpoints.load_scaler_state(self.scaler, scaler_state)
         if isinstance(guard_state, dict) and guard_state and self.guard is not None:
             self.guard.load_state_dict(guard_state)
         if self._half is not None:
@@ -449,9 +497,19 @@ class AMPPrecision(MixedPrecision):
         self._attached.clear()
         if self._half is not None:
             self._half.detach()
-        if self._fp32_hooks is not None:
-            self._fp32_hooks.remove()
-            self._fp32_hooks = None
+        for hooks in self._fp32_hooks.values():
+            hooks.remove()
+        self._fp32_hooks.clear()
+
+
+def _repoint(opt: Optimizer, replaced: dict[Tensor, Tensor]) -> None:
+    """Let ``opt`` step the parameters that replaced the ones it was built on (state included)."""
+    if not replaced:
+        return
+    for group in opt.param_groups:
+        group["params"] = [replaced.get(p, p) for p in group["params"]]
+    for old in [p for p in opt.state if p in replaced]:
+        opt.state[replaced[old]] = opt.state.pop(old)
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from amp_plugin._validation import autocast_device_types, fail
 from amp_plugin.autocast import CarriedFunctionMode, autocast_state
+from amp_plugin.precision import default_dtype
 
 __all__ = ["Fp32Functions", "Fp32Modules", "check_functions", "check_module_classes", "force_fp32"]
 
@@ -41,7 +42,7 @@ def _to_fp32(value: Any) -> Any:
 
 class _Regions(threading.local):
     def __init__(self) -> None:  # runs once in every thread that touches the object
-        self.stack: list[tuple[nn.Module, AbstractContextManager[None]]] = []
+        self.stack: list[tuple[nn.Module, ExitStack]] = []
 
 
 class Fp32Modules:
@@ -66,8 +67,11 @@ class Fp32Modules:
             self._handles.append(module.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        region = autocast_state().disabled().apply()
-        region.__enter__()
+        region = ExitStack()
+        region.enter_context(autocast_state().disabled().apply())
+        if torch.get_default_dtype() in (torch.float16, torch.bfloat16):
+            # A "-true" forward made half the default dtype; tensors the module makes are fp32 too.
+            region.enter_context(default_dtype(torch.float32))
         # Pushed before casting: if casting raises, the always-called exit hook still closes it.
         self._regions.stack.append((module, region))
         return _to_fp32(args), _to_fp32(kwargs)
@@ -133,7 +137,10 @@ def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modu
     Inside such a module autocast is disabled for every device type and floating-point
     tensor inputs (in args and kwargs, nested in tuples, lists and dicts; fp64 excepted) are
     cast to fp32. Outputs stay fp32; later autocast ops cast them as they need. Nested and
-    threaded (DataParallel) calls are safe. Assumes the module's parameters are fp32.
+    threaded (DataParallel) calls are safe. Assumes the module's parameters are fp32. Where torch's
+    default dtype is fp16 or bf16 (the forward pass of a "-true" precision), it is fp32 inside
+    such a module, so the tensors the module makes are fp32 too (the default dtype is
+    process-wide, so this part is not kept apart per thread).
 
     Raises:
         TypeError: ``model`` is not a module, or ``classes`` is not a sequence of module classes.

@@ -11,12 +11,17 @@ Which layers (:func:`select_layers`), by default:
 * only layers with both dimensions ``>= min_features`` (default :data:`MIN_FEATURES` = 1024):
   below that the casts to fp8 cost more than the fp8 matmul saves (torchao's own automatic
   filter, tuned on H100, skips layers below about that size too);
+* never ``nn.MultiheadAttention``'s ``out_proj`` (attention reads its weight directly, so a
+  Float8Linear there would never run) nor an ``nn.Linear`` subclass that overrides ``forward``
+  (torchao's Float8Linear would replace that forward), nor a layer inside the plugin's
+  ``fp32_modules`` (they run in fp32, as asked);
 * never the first and the last ``nn.Linear`` of the model (in registration order: typically an
   input projection and the LM head), nor a layer whose weight is shared with another module (a
   tied embedding): these are the layers where fp8's 3-4 significant bits hurt accuracy most.
 
 A user filter (``filter=``: fully-qualified layer names, or a predicate ``(module, name) -> bool``)
-replaces the size and first/last rules; the multiple-of-16 rule always holds.
+replaces the size and first/last rules; the multiple-of-16, own-forward and ``fp32_modules`` rules
+always hold.
 
 Checkpoints stay ordinary: torchao's ``Float8Linear`` keeps the original fp32 parameters, so its
 state dict holds plain tensors under the same keys (with ``all_gather=True`` the weight is a
@@ -40,11 +45,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, cast
 
 from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from amp_plugin._imports import require_torchao
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
@@ -284,11 +290,17 @@ def _default_reason(spec: Float8, linear: nn.Linear, index: int, count: int, sha
     return None
 
 
-def select_layers(model: nn.Module, spec: Float8 | str = "tensorwise") -> Float8Report:
+def select_layers(
+    model: nn.Module, spec: Float8 | str = "tensorwise", fp32_modules: Sequence[type[nn.Module]] = ()
+) -> Float8Report:
     """Decide which ``nn.Linear`` layers of ``model`` run in fp8; change nothing (torchao is not needed).
 
+    Layers that are, or sit inside, an instance of ``fp32_modules`` (the plugins' argument: modules
+    that run in fp32) stay out whatever the filter says.
+
     Raises ``ValueError`` when ``spec.filter`` names a module that is not an ``nn.Linear`` of
-    ``model``, or one whose dimensions are not multiples of 16.
+    ``model``, or one that no filter can convert (dimensions not multiples of 16, attention's
+    ``out_proj``, a subclass with its own ``forward``).
 
     Example:
         >>> from torch import nn
@@ -298,13 +310,14 @@ def select_layers(model: nn.Module, spec: Float8 | str = "tensorwise") -> Float8
     """
     spec = Float8.of(spec, "select_layers") or Float8()
     linears = list(_linears(model))
-    _check_named_filter(spec, dict(linears))
+    in_fp32 = _in_fp32_modules(model, tuple(fp32_modules))
+    _check_named_filter(spec, dict(linears), in_fp32)
     shared = _shared_parameter_ids(model) if spec.filter is None else set()
     converted: list[LayerChoice] = []
     left_out: list[LayerChoice] = []
     for index, (name, linear) in enumerate(linears):
         params = sum(p.numel() for p in linear.parameters(recurse=False))
-        reason = _reason(spec, name, linear, index, len(linears), shared)
+        reason = in_fp32.get(name) or _reason(spec, name, linear, index, len(linears), shared)
         choice = LayerChoice(name, linear.in_features, linear.out_features, params, reason or "")
         (left_out if reason else converted).append(choice)
     return Float8Report(spec.recipe, tuple(converted), tuple(left_out))
@@ -314,15 +327,28 @@ def _reason(
     spec: Float8, name: str, linear: nn.Linear, index: int, count: int, shared: set[int]
 ) -> str | None:
     """Why ``linear`` stays in high precision, or ``None`` when it runs in fp8."""
-    if linear.in_features % FP8_MULTIPLE or linear.out_features % FP8_MULTIPLE:
-        return f"dims {linear.in_features}x{linear.out_features} not multiples of {FP8_MULTIPLE}"
+    if (reason := _cannot_convert(linear)) is not None:
+        return reason
     if spec.filter is None:
         return _default_reason(spec, linear, index, count, shared)
     chosen = spec.filter(linear, name) if callable(spec.filter) else name in spec.filter
     return None if chosen else "not selected by the filter"
 
 
-def _check_named_filter(spec: Float8, linears: dict[str, nn.Linear]) -> None:
+def _in_fp32_modules(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> dict[str, str]:
+    """Names of the modules that are or sit inside an instance of ``classes``, with the reason."""
+    if not classes:
+        return {}
+    inside: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, classes) and name not in inside:
+            reason = f"in fp32_modules ({type(module).__name__})"
+            for sub, _ in module.named_modules(prefix=name):
+                inside.setdefault(sub, reason)
+    return inside
+
+
+def _check_named_filter(spec: Float8, linears: dict[str, nn.Linear], in_fp32: dict[str, str]) -> None:
     if spec.filter is None or callable(spec.filter):
         return
     unknown = sorted(n for n in spec.filter if n not in linears)
@@ -333,26 +359,43 @@ def _check_named_filter(spec: Float8, linears: dict[str, nn.Linear]) -> None:
             allowed=f"names of the model's nn.Linear layers; not one: {unknown[:5]}",
             hint="use the names of model.named_modules() (e.g. 'blocks.0.mlp.fc1'), or a predicate.",
         )
-    odd = sorted(n for n in spec.filter if _not_fp8_shaped(linears[n]))
+    reasons = {n: in_fp32.get(n) or _cannot_convert(linears[n]) for n in spec.filter}
+    odd = sorted(n for n, reason in reasons.items() if reason is not None)
     if odd:
         fail(
             "Float8",
             passed=f"filter={sorted(spec.filter)!r:.80}",
-            allowed=f"layers whose in/out features are multiples of {FP8_MULTIPLE}; not so: {odd[:5]}",
+            allowed=(
+                f"plain nn.Linear layers whose in/out features are multiples of {FP8_MULTIPLE}, "
+                f"outside fp32_modules; not so: {odd[:5]} ({reasons[odd[0]]})"
+            ),
             hint="leave those layers out of the filter (they run in bf16), or pad their dimensions.",
         )
 
 
-def _not_fp8_shaped(linear: nn.Linear) -> bool:
-    return bool(linear.in_features % FP8_MULTIPLE or linear.out_features % FP8_MULTIPLE)
+def _cannot_convert(linear: nn.Linear) -> str | None:
+    """Why no filter can put ``linear`` in fp8 (the rules that always hold), or ``None``."""
+    if linear.in_features % FP8_MULTIPLE or linear.out_features % FP8_MULTIPLE:
+        return f"dims {linear.in_features}x{linear.out_features} not multiples of {FP8_MULTIPLE}"
+    if isinstance(linear, NonDynamicallyQuantizableLinear):
+        # MultiheadAttention's forward reads out_proj.weight itself: a Float8Linear there never runs.
+        return "MultiheadAttention's out_proj (its forward never runs)"
+    if type(linear).forward is not nn.Linear.forward and not _is_float8(linear):
+        return f"{type(linear).__name__} overrides forward (torchao's Float8Linear would replace it)"
+    return None
 
 
-def convert(model: nn.Module, spec: Float8 | str = "tensorwise") -> Float8Report:
+def convert(
+    model: nn.Module, spec: Float8 | str = "tensorwise", fp32_modules: Sequence[type[nn.Module]] = ()
+) -> Float8Report:
     """Swap the layers :func:`select_layers` chooses for torchao's ``Float8Linear``, in place.
 
     The parameters are kept (the same ``nn.Parameter`` objects, so optimizers built before still
-    step them), and the state dict keeps its keys and plain tensors. Layers that run in fp8
-    already are left as they are. Needs torchao (``ImportError`` with the install command).
+    step them), except with ``all_gather=True``: torchao wraps each converted weight in a new
+    ``nn.Parameter`` (on the same storage), so build optimizers after the conversion (Fabric's
+    ``AMPPrecision`` re-points the optimizers handed to ``fabric.setup``). The state dict keeps
+    its keys and plain tensors. Layers that run in fp8 already are left as they are. Needs
+    torchao (``ImportError`` with the install command).
 
     Example:
         >>> from torch import nn
@@ -365,7 +408,7 @@ def convert(model: nn.Module, spec: Float8 | str = "tensorwise") -> Float8Report
     """
     spec = Float8.of(spec, "convert") or Float8()
     require_torchao(f"AMPPrecision(fp8={spec.recipe!r})")
-    report = select_layers(model, spec)
+    report = select_layers(model, spec, fp32_modules)
     chosen = set(report.converted_names) - set(float8_layer_names(model))
     if not chosen:
         return report
@@ -443,8 +486,8 @@ def float8_layer_names(model: nn.Module) -> tuple[str, ...]:
         >>> float8_layer_names(nn.Linear(16, 16))
         ()
     """
-    return tuple(
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and type(module).__module__.startswith("torchao.")
-    )
+    return tuple(name for name, module in model.named_modules() if _is_float8(module))
+
+
+def _is_float8(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).__module__.startswith("torchao.")

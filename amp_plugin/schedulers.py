@@ -11,6 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Protocol
 
+import torch
+
 from amp_plugin._validation import fail
 
 __all__ = ["SkipAwareScheduler"]
@@ -70,6 +72,15 @@ class SkipAwareScheduler:
                 passed=f"lr_on_skip={lr_on_skip!r}",
                 allowed="'hold' or 'advance'",
                 hint="'hold' keeps the schedule in step with the weights' updates.",
+            )
+        if isinstance(scheduler, torch.optim.Optimizer) or not callable(getattr(scheduler, "step", None)):
+            kind = "an optimizer" if isinstance(scheduler, torch.optim.Optimizer) else "no step()"
+            fail(
+                "SkipAwareScheduler",
+                passed=f"scheduler={type(scheduler).__name__ if scheduler is not None else None} ({kind})",
+                allowed="an LR scheduler (anything with step(), torch.optim.lr_scheduler's or your own)",
+                hint="pass the LR scheduler built on the optimizer, e.g. skip_aware(StepLR(optimizer, 10)).",
+                error=TypeError,
             )
         self.__dict__["_scheduler"] = scheduler
         self.__dict__["_steps"] = steps

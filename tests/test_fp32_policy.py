@@ -350,3 +350,40 @@ def test_compiled_forward_under_the_mode() -> None:
         out = compiled(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, torch.sigmoid(torch.mm(x.bfloat16(), x.bfloat16()).float()))
+
+
+class _Steps(nn.Module):
+    """Makes a tensor of the default dtype in its forward, as a rotary embedding makes its frequencies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(8) / 3
+        if self.fail:
+            raise KeyError("boom")
+        return x + steps
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_forced_module_makes_its_tensors_in_fp32_under_a_half_default_dtype(half: torch.dtype) -> None:
+    # The "-true" precisions make the half dtype torch's default in forward passes; a module asked
+    # to run in fp32 must not compute its own constants in half.
+    model = nn.Sequential(_Steps())
+    hooks = force_fp32(model, (_Steps,))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(half)
+    try:
+        out = model(torch.zeros(8))
+        inside_after = torch.get_default_dtype()
+        model[0].fail = True
+        with pytest.raises(KeyError):  # an error inside the module puts the default dtype back too
+            model(torch.zeros(8))
+        after_error = torch.get_default_dtype()
+    finally:
+        torch.set_default_dtype(previous)
+        hooks.remove()
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.arange(8, dtype=torch.float32) / 3)
+    assert inside_after == half and after_error == half

@@ -89,6 +89,70 @@ def test_predicate_cannot_convert_odd_dims() -> None:
     ]
 
 
+class _ScaledLinear(nn.Linear):
+    """A Linear subclass with a forward of its own: torchao's Float8Linear would drop it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.att = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.att(*(self.inp(x),) * 3)[0]
+        return self.out(self.mid(x))
+
+
+def test_layers_whose_forward_fp8_would_not_run_stay_out() -> None:
+    # MultiheadAttention reads out_proj.weight in its own forward (out_proj's never runs), and a
+    # subclass's own forward would be replaced by torchao's: neither may be reported as fp8.
+    model = nn.Sequential(nn.Linear(64, 64), _ScaledLinear(64, 64), _Attention(), nn.Linear(64, 64))
+    for spec in (SMALL, Float8(filter=lambda m, n: True)):
+        report = select_layers(model, spec)
+        reasons = {c.name: c.reason for c in report.left_out}
+        assert "1" not in report.converted_names and "2.att.out_proj" not in report.converted_names
+        assert reasons["1"] == "_ScaledLinear overrides forward (torchao's Float8Linear would replace it)"
+        assert reasons["2.att.out_proj"] == "MultiheadAttention's out_proj (its forward never runs)"
+        assert "2.mid" in report.converted_names
+    with pytest.raises(ValueError, match=r"not so: \['1'\].*HINT: leave those"):
+        select_layers(model, Float8(filter={"1", "2.mid"}))
+
+
+@needs_torchao
+def test_convert_keeps_a_subclass_forward() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), _ScaledLinear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    x = torch.randn(4, 64)
+    expected = model[1](x)
+    convert(model, SMALL)
+    assert float8_layer_names(model) == ("2",)
+    assert torch.equal(model[1](x), expected)
+
+
+class _Fp32Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_layers_in_fp32_modules_stay_out() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), _Fp32Block(), nn.Linear(64, 64), nn.Linear(64, 64))
+    for spec in (SMALL, Float8(filter=lambda m, n: True)):
+        report = select_layers(model, spec, fp32_modules=(_Fp32Block,))
+        assert "1.fc" not in report.converted_names
+        assert {c.name: c.reason for c in report.left_out}["1.fc"] == "in fp32_modules (_Fp32Block)"
+    assert select_layers(model, SMALL, fp32_modules=(nn.Linear,)).converted_names == ()
+    with pytest.raises(ValueError, match=r"not so: \['1.fc'\] \(in fp32_modules"):
+        select_layers(model, Float8(filter={"1.fc"}), fp32_modules=(_Fp32Block,))
+
+
 @pytest.mark.parametrize(
     ("spec", "error", "match"),
     [
@@ -110,7 +174,7 @@ def test_named_filter_must_name_fp8_shaped_linears() -> None:
     model = nn.Sequential(nn.Linear(16, 20), nn.ReLU(), nn.Linear(20, 16))
     with pytest.raises(ValueError, match=r"not one: \['1', 'nope'\].*HINT: use the names"):
         select_layers(model, Float8(filter={"1", "nope"}))
-    with pytest.raises(ValueError, match=r"multiples of 16; not so: \['0'\].*HINT: leave those"):
+    with pytest.raises(ValueError, match=r"outside fp32_modules; not so: \['0'\].*HINT: leave those"):
         select_layers(model, Float8(filter={"0"}))
 
 

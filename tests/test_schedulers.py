@@ -140,3 +140,16 @@ def test_with_a_fused_optimizer_the_scheduler_holds_once_per_counted_skip_withou
 def test_a_bad_lr_on_skip_is_refused() -> None:
     with pytest.raises(ValueError, match=r"lr_on_skip='later'.*HINT"):
         SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(_optimizer(), 1), _Plugin(False), "later")
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "match"),
+    [
+        (None, r"scheduler=None.*HINT: pass the LR scheduler"),
+        (_optimizer(), r"scheduler=SGD.*an optimizer.*HINT: pass the LR scheduler"),
+    ],
+)
+def test_what_is_not_a_scheduler_is_refused_at_once(scheduler: Any, match: str) -> None:
+    # Accepted before, an optimizer was stepped again by every scheduler.step() of the wrapper.
+    with pytest.raises(TypeError, match=match):
+        SkipAwareScheduler(scheduler, _Plugin(False))

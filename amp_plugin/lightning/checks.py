@@ -208,6 +208,11 @@ LBFGS_REFUSAL = (
     "which loss scaling cannot skip safely. HINT: use precision='bf16-mixed' or another optimizer."
 )
 
+LBFGS_UNGUARDED = (
+    "AMPPrecision steps LBFGS with its closure, which it runs several times per step: its steps are "
+    "not checked for inf/NaN gradients (and not counted as skipped), as under Lightning's own plugins."
+)
+
 
 def is_lbfgs(optimizer: object) -> bool:
     """Whether ``optimizer`` (or the optimizer a Lightning wrapper holds) is ``LBFGS``.

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -204,7 +204,7 @@ class AMPPrecision(MixedPrecision):
             device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
             self._half.convert(module, self._settings(device)[1], self.fp32_modules)
         if self.fp8 is not None:
-            self.fp8_report = fp8_layers.convert(module, self.fp8)
+            self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
         return module
 
     @override
@@ -230,6 +230,9 @@ class AMPPrecision(MixedPrecision):
         )
         if self._half is not None:
             self._half.attach(optimizers)
+        lbfgs = any(map(checks.is_lbfgs, optimizers))
+        if lbfgs and self.scaler is None and self._half is None and self._guard:
+            rank_zero_warn(checks.LBFGS_UNGUARDED)
         if self.fp8_report is not None:
             rank_zero_info(f"AMPPrecision: {self.fp8_report}")
         if self._fp32_hooks is None and self.fp32_modules:
@@ -331,6 +334,9 @@ class AMPPrecision(MixedPrecision):
         self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         driver = self._require_driver()
+        if self.scaler is None and self._half is None and checks.is_lbfgs(optimizer):
+            # LBFGS runs its closure itself, several times per step (Lightning's Precision path).
+            return super(MixedPrecision, self).optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()  # the half gradients must exist before the masters take them
         if closure_result is None and model.automatic_optimization:
             self._no_clip = True

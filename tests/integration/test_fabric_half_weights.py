@@ -304,3 +304,16 @@ def test_training_continues_from_the_masters_after_teardown() -> None:
 def test_bad_half_weight_arguments_raise_with_a_hint(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         AMPPrecision(**kwargs, device="cpu")
+
+
+def test_a_second_model_under_master_weights_is_refused_before_it_is_cast() -> None:
+    # The masters belong to one model: a second fabric.setup (a GAN's discriminator) used to pass,
+    # then fail at its first step blaming requires_grad. Refused at once, the model left as it was.
+    plugin = AMPPrecision("bf16-mixed", master_weights=True, device="cpu")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    generator, critic = nn.Linear(4, 4), nn.Linear(4, 1)
+    fabric.setup(generator, torch.optim.SGD(generator.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"second model.*HINT: set up the models as one module"):
+        fabric.setup(critic, torch.optim.SGD(critic.parameters(), lr=0.1))
+    assert critic.weight.dtype == torch.float32
+    fabric.setup(generator)  # the same model again is fine

@@ -259,3 +259,105 @@ def test_fabric_fp8_converts_at_setup_and_skips_a_nan() -> None:
             assert plugin.last_step_skipped
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert plugin.guard is not None and plugin.guard.skipped_steps == 1
+
+
+class _Fp32Block(torch.nn.Module):
+    """A block the user asks to run in fp32 (``fp32_modules``): its Linear must not run in fp8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _with_fp32_block() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 64), _Fp32Block(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+    )
+
+
+def test_fp32_modules_stay_out_of_fp8_in_the_trainer_plugin() -> None:
+    model = _with_fp32_block()
+    plugin = AMPPrecision("bf16-mixed", device="cpu", fp8=SMALL, fp32_modules=(_Fp32Block,))
+    plugin.convert_module(model)
+    assert plugin.fp8_report is not None and plugin.fp8_report.converted_names == ("2",)
+    assert {c.name: c.reason for c in plugin.fp8_report.left_out}["1.fc"] == "in fp32_modules (_Fp32Block)"
+    assert float8_layer_names(model) == ("2",)
+
+
+def test_fp32_modules_stay_out_of_fp8_and_in_fp32_under_fabric() -> None:
+    from lightning.fabric import Fabric
+
+    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+
+    plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp8=SMALL, fp32_modules=(_Fp32Block,))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = _with_fp32_block()
+    model = fabric.setup(net)
+    assert float8_layer_names(net) == ("2",)
+    seen: list[torch.dtype] = []
+    net[1].fc.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    assert model(torch.randn(4, 64)).dtype == torch.float32
+    assert seen == [torch.float32]  # the block ran in fp32 with autocast off
+
+
+def test_fabric_fp8_all_gather_steps_the_weights_the_model_uses() -> None:
+    # torchao's fp8 all-gather wraps each converted weight in a new Parameter; an optimizer built
+    # before fabric.setup (Fabric's usual order) held the old ones and never moved those layers.
+    from lightning.fabric import Fabric
+
+    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+
+    plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp8=Float8(min_features=64, all_gather=True))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    net = TinyLM()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert len(float8_layer_names(net)) == 7
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    tokens, targets = batches(1)[0]
+    fabric.backward(lm_loss(model, tokens, targets))
+    opt.step()
+    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+    assert all(id(p) in stepped for p in net.parameters())
+    fc1 = net.blocks[0].fc1.weight
+    assert not torch.equal(before["blocks.0.fc1.weight"], fc1.detach())
+
+
+def test_a_failed_fabric_fp8_conversion_leaves_no_fp32_hooks_behind() -> None:
+    from lightning.fabric import Fabric
+
+    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+
+    def broken(module: torch.nn.Module, name: str) -> bool:
+        raise AttributeError("a bug in the user's filter")
+
+    plugin = FabricAMPPrecision(
+        "bf16-mixed", device="cpu", fp8=Float8(filter=broken), fp32_modules=(torch.nn.LayerNorm,)
+    )
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = TinyLM()
+    with pytest.raises(AttributeError, match="a bug in the user's filter"):
+        fabric.setup(model)
+    assert float8_layer_names(model) == ()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_fabric_fp8_all_gather_repoints_the_first_models_optimizer_after_a_second_setup() -> None:
+    from lightning.fabric import Fabric
+
+    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+
+    plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp8=Float8(min_features=64, all_gather=True))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    nets = [TinyLM(), TinyLM()]
+    (first, first_opt), _ = (fabric.setup(n, torch.optim.SGD(n.parameters(), lr=0.1)) for n in nets)
+    tokens, targets = batches(1)[0]
+    fabric.backward(lm_loss(first, tokens, targets))
+    first_opt.step()
+    stepped = {id(p) for group in first_opt.param_groups for p in group["params"]}
+    assert all(id(p) in stepped for p in nets[0].parameters())

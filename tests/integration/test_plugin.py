@@ -440,6 +440,29 @@ def test_lbfgs_under_fp16_raises() -> None:
         _fit(WithLBFGS(poison=()), AMPPrecision("16-mixed", device="cpu"), steps=1)
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_lbfgs_without_a_loss_scaler_steps_with_its_closure_as_lightning_does(precision: str) -> None:
+    # What the fp16 refusal's HINT offers: LBFGS runs its closure itself, several times per step,
+    # so it gets the closure, unguarded (with a warning), as under Lightning's own plugins.
+    class WithLBFGS(TinyModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+    oracle = WithLBFGS(poison=())
+    reference = MixedPrecision("bf16-mixed", "cpu") if precision == "bf16-mixed" else "32-true"
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.01,
+        **({"plugins": [reference]} if precision == "bf16-mixed" else {"precision": reference}),
+    )  # fmt: skip
+    trainer.fit(oracle, _loader())
+    module = WithLBFGS(poison=())
+    with pytest.warns(UserWarning, match=r"LBFGS.*not checked"):
+        _fit(module, AMPPrecision(precision, device="cpu"), steps=2, gradient_clip_val=0.01)  # type: ignore[arg-type]
+    for ours, theirs in zip(module.parameters(), oracle.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
 def test_plain_data_parallel_under_bf16_warns() -> None:
     module = TinyModule(poison=())
     module.net = nn.DataParallel(module.net)  # type: ignore[assignment]

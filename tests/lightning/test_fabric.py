@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
-from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 import amp_plugin
@@ -150,6 +150,28 @@ def test_a_resume_through_fabric_save_and_load_continues_bit_exactly(tmp_path: P
     assert resumed.state_dict() == straight_state
 
 
+@pytest.mark.parametrize(
+    ("saved", "loaded", "match"),
+    [
+        ("16-mixed", "bf16-mixed", "holds a loss-scaler state, but this bf16 run has no scaler: ignored"),
+        ("bf16-mixed", "16-mixed", "holds no loss-scaler state .* the scale starts afresh"),
+    ],
+)
+def test_a_resume_in_another_precision_says_what_happened_to_the_scale(
+    tmp_path: Path, saved: str, loaded: str, match: str
+) -> None:
+    # As the Trainer plugin does: the scale is dropped or starts afresh, and the user is told so.
+    fabric, model, opt = _setup(plugin := AMPPrecision(saved, device="cpu"))  # type: ignore[arg-type]
+    _train(fabric, model, opt, range(2))
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt, "amp": plugin})
+    fabric, model, opt = _setup(resumed := AMPPrecision(loaded, device="cpu"))  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=match):
+        fabric.load(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt, "amp": resumed})
+    assert resumed.metrics()["amp/skipped_steps"] == 0.0
+    _train(fabric, model, opt, range(2, 4))
+    assert not resumed.last_step_skipped
+
+
 def test_bf16_autocasts_without_a_scaler() -> None:
     plugin = AMPPrecision("bf16-mixed", device="cpu")
     fabric, model, opt = _setup(plugin)
@@ -178,6 +200,34 @@ def test_a_torch_grad_scaler_is_converted_with_its_settings() -> None:
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         AMPPrecision(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_lbfgs_without_a_loss_scaler_steps_with_its_closure(precision: str) -> None:
+    # The fp16 refusal's HINT says bf16-mixed: there LBFGS steps (unguarded, with a warning), as
+    # under Fabric's own plugins.
+    def run(plugin: Any) -> nn.Module:
+        fabric = _fabric(plugin)
+        model = _net()
+        model, opt = fabric.setup(model, torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3))
+        x, y = _batch(0)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            fabric.backward(loss)
+            return loss
+
+        for _ in range(2):
+            opt.step(closure)
+        return model
+
+    reference = MixedPrecision("bf16-mixed", "cpu") if precision == "bf16-mixed" else Precision()
+    oracle = run(reference)
+    with pytest.warns(UserWarning, match=r"LBFGS.*not checked"):
+        ours = run(AMPPrecision(precision, device="cpu"))  # type: ignore[arg-type]
+    assert torch.equal(_flat(ours), _flat(oracle))
+    assert not torch.equal(_flat(ours), _flat(_net()))
 
 
 def test_lbfgs_is_refused_under_loss_scaling() -> None:
@@ -308,6 +358,25 @@ def test_true_precisions_switch_the_default_dtype_as_halfprecision_does(
     assert model(torch.randn(2, 8)).dtype == torch.float32  # Fabric hands outputs back in fp32
 
 
+@pytest.mark.parametrize("context", ["module_init_context", "tensor_init_context", "forward_context"])
+def test_the_default_dtype_is_restored_after_an_error_and_when_nested(context: str) -> None:
+    # Lightning's own test_default_dtype_is_restored, for this plugin; and nested in each other.
+    plugin = AMPPrecision("bf16-true", device="cpu")
+    seen: list[torch.dtype] = []
+
+    def fails_inside() -> None:
+        with getattr(plugin, context)():
+            seen.append(torch.get_default_dtype())
+            raise KeyError
+
+    with pytest.raises(KeyError):
+        fails_inside()
+    assert seen == [torch.bfloat16] and torch.get_default_dtype() == torch.float32
+    with plugin.module_init_context(), getattr(plugin, context)():
+        pass
+    assert torch.get_default_dtype() == torch.float32
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
 def test_other_precisions_leave_the_default_dtype_alone(precision: str) -> None:
     plugin = AMPPrecision(precision, device="cpu")
@@ -402,3 +471,37 @@ def test_fabrics_plugin_in_a_trainer_is_refused_naming_the_trainer_import() -> N
         Exception, match=r"amp_plugin\.fabric\.AMPPrecision.*Trainer.* amp_plugin\.AMPPrecision"
     ):
         Trainer(accelerator="cpu", plugins=[AMPPrecision("16-mixed", device="cpu")], logger=False)
+
+
+def test_fp32_modules_run_in_fp32_in_every_model_set_up() -> None:
+    # A GAN sets up two models with one plugin: the second one's fp32 modules were left under autocast.
+    plugin = AMPPrecision("bf16-mixed", device="cpu", fp32_modules=(nn.LayerNorm,))
+    fabric = _fabric(plugin)
+    models = [fabric.setup(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))) for _ in range(2)]
+    seen: list[torch.dtype] = []
+    for model in models:
+        model.module[1].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+        model(torch.randn(2, 4))
+    assert seen == [torch.float32, torch.float32]
+    plugin.teardown()
+    assert not any(m._forward_pre_hooks for model in models for m in model.modules())
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "bf16-true"])
+def test_each_optimizer_is_checked_against_the_model_it_steps(precision: str) -> None:
+    # A GAN sets up two models: the first one's optimizer was checked against the second model
+    # and warned that its parameters were "not in the model".
+    fabric = _fabric(AMPPrecision(precision, device="cpu"))  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    g, d = nn.Linear(4, 4), nn.Linear(4, 1)
+    (g, opt_g), (d, opt_d) = (fabric.setup(m, torch.optim.Adam(m.parameters(), eps=1e-4)) for m in (g, d))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not in the model")
+        for _ in range(2):
+            z = torch.randn(2, 4)
+            fabric.backward(d(g(z).detach()).float().mean())
+            opt_d.step()
+            opt_d.zero_grad()
+            fabric.backward(-d(g(z)).float().mean())
+            opt_g.step()
+            opt_g.zero_grad()
