@@ -443,6 +443,17 @@ class AMPPrecision(MixedPrecision):
             >>> AMPPrecision("16-mixed", device="cpu").metrics(grad_norm=0.5)
             {'amp/scale': 65536.0, 'amp/skipped_steps': 0.0, 'amp/skip_rate': 0.0, 'amp/grad_norm': 0.5}
         """
+        if not (
+            grad_norm is None
+            or (isinstance(grad_norm, (Tensor, int, float)) and not isinstance(grad_norm, bool))
+        ):
+            fail(
+                "AMPPrecision.metrics",
+                passed=f"grad_norm={grad_norm!r:.80}",
+                allowed="None, a number or a one-element tensor",
+                hint="pass what fabric.clip_gradients returned (or nothing).",
+                error=TypeError,
+            )
         norm = math.nan if grad_norm is None else float(grad_norm)
         guard = self.guard
         if guard is None:

@@ -505,3 +505,9 @@ def test_each_optimizer_is_checked_against_the_model_it_steps(precision: str) ->
             fabric.backward(-d(g(z)).float().mean())
             opt_g.step()
             opt_g.zero_grad()
+
+
+@pytest.mark.parametrize("bad", ["x", True, [1.0]])
+def test_metrics_refuses_a_grad_norm_that_is_not_a_number(bad: object) -> None:
+    with pytest.raises(TypeError, match=r"metrics\(grad_norm=.*HINT"):
+        AMPPrecision("bf16-mixed", device="cpu").metrics(grad_norm=bad)  # type: ignore[arg-type]
