@@ -27,6 +27,7 @@ from amp_plugin.rounded_updates import ROUNDINGS
 from amp_plugin.scaler import LossScaler
 
 __all__ = [
+    "LBFGS_HALF_WEIGHTS",
     "LBFGS_REFUSAL",
     "check_arguments",
     "check_fit_start",
@@ -208,6 +209,12 @@ LBFGS_REFUSAL = (
     "which loss scaling cannot skip safely. HINT: use precision='bf16-mixed' or another optimizer."
 )
 
+LBFGS_HALF_WEIGHTS = (
+    "AMPPrecision cannot drive LBFGS with master weights or a '-true' precision: LBFGS evaluates its "
+    "closure several times per step on the weights it updates, which the fp32 masters and the rounded "
+    "half writes do not follow. HINT: use precision='bf16-mixed' (or '32-true') without master_weights."
+)
+
 LBFGS_UNGUARDED = (
     "AMPPrecision steps LBFGS with its closure, which it runs several times per step: its steps are "
     "not checked for inf/NaN gradients (and not counted as skipped), as under Lightning's own plugins."
@@ -234,7 +241,8 @@ def check_fit_start(
 ) -> None:
     """Refuse a setup that would fail later (``ValueError``); warn about one that would mislead.
 
-    Checked is what the optimizers will step. Refused: LBFGS under loss scaling; with master
+    Checked is what the optimizers will step. Refused: LBFGS under loss scaling or with master
+    weights or a "-true" precision; with master
     weights (``weights="master"``), a trainable half parameter without an fp32 master (the
     optimizer would step it, and its fp16 state, directly); an ``eps`` that fp16 rounds to zero
     when the weights and optimizer state are fp16 (``weights="half"``: a zero second moment would
@@ -253,6 +261,8 @@ def check_fit_start(
     """
     if grad_scaling and any(is_lbfgs(o) for o in optimizers):
         raise ValueError(LBFGS_REFUSAL)
+    if weights != "fp32" and any(is_lbfgs(o) for o in optimizers):
+        raise ValueError(LBFGS_HALF_WEIGHTS)
     if dtype == torch.float32:
         return  # "32-true": no autocast, nothing mixed to check
     if weights == "master":

@@ -154,3 +154,12 @@ def test_an_emulated_precision_asked_for_by_name_is_information_and_auto_warns(
     said = r"AMPPrecision\('bf16-mixed'\): this CPU has no bf16 .* HINT: train in fp32"
     with pytest.warns(UserWarning, match=said):
         AMPPrecision("auto", device="cpu")
+
+
+@pytest.mark.parametrize("weights", ["master", "half"])
+def test_lbfgs_with_half_weights_is_refused_at_fit_start(weights: str) -> None:
+    """LBFGS evaluates its closure several times per step: master weights and "-true" rounding
+    cannot follow that, so it is refused before anything changes (it failed with a raw error)."""
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"LBFGS.*HINT: .*'bf16-mixed'"):
+        checks.check_fit_start(model, [torch.optim.LBFGS(model.parameters())], "cpu", torch.bfloat16, False, weights)
