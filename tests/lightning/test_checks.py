@@ -161,5 +161,6 @@ def test_lbfgs_with_half_weights_is_refused_at_fit_start(weights: str) -> None:
     """LBFGS evaluates its closure several times per step: master weights and "-true" rounding
     cannot follow that, so it is refused before anything changes (it failed with a raw error)."""
     model = torch.nn.Linear(2, 1)
+    lbfgs = torch.optim.LBFGS(model.parameters())
     with pytest.raises(ValueError, match=r"LBFGS.*HINT: .*'bf16-mixed'"):
-        checks.check_fit_start(model, [torch.optim.LBFGS(model.parameters())], "cpu", torch.bfloat16, False, weights)
+        checks.check_fit_start(model, [lbfgs], "cpu", torch.bfloat16, False, weights)
