@@ -140,7 +140,9 @@ class AMPPrecision(MixedPrecision):
         )
         if scaler is None and guard:  # bf16/fp32: nothing to scale, but every step is still checked
             scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
-        self._driver = StepDriver(scaler, None if self._half is None else self._half.before_step)
+        self._driver = StepDriver(
+            scaler, None if self._half is None else self._half.before_step, self.kernels
+        )
         # Per model set up (a GAN sets up two), removed at teardown.
         self._fp32_hooks: weakref.WeakKeyDictionary[nn.Module, fp32_policy.Fp32Modules] = (
             weakref.WeakKeyDictionary()

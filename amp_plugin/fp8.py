@@ -54,6 +54,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from amp_plugin._imports import require_torchao
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
+from amp_plugin.sharding import has_dtensor
 
 __all__ = [
     "FP8_MULTIPLE",
@@ -426,10 +427,7 @@ def convert(
 
 def _check_not_sharded(model: nn.Module, names: list[str]) -> None:
     """Refuse layers that ``fully_shard`` already owns: FSDP2 would keep unsharding into the old module."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None:
-        return
-    sharded = [n for n in names if isinstance(model.get_submodule(n).weight, dtensor.DTensor)]
+    sharded = [n for n in names if has_dtensor([cast(Tensor, model.get_submodule(n).weight)])]
     if sharded:
         fail(
             "convert",

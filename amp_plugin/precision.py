@@ -9,6 +9,7 @@ Plain torch: nothing here imports Lightning, and only the device type asked abou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal, get_args
@@ -24,6 +25,7 @@ __all__ = [
     "check_device",
     "check_precision",
     "cpu_emulation_note",
+    "cpuinfo",
     "default_dtype",
     "native_on_cpu",
     "resolve_precision",
@@ -113,20 +115,29 @@ def native_on_cpu(dtype: torch.dtype) -> bool:
     }
     if dtype not in probes:
         return True
-    if dtype == torch.float16 and "avx512_fp16" in _cpu_flags():  # torch has no probe for it
+    if dtype == torch.float16 and "avx512_fp16" in cpuinfo("flags").split():  # torch has no probe for it
         return True
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes[dtype])
 
 
-def _cpu_flags() -> frozenset[str]:
-    try:  # Linux lists the ISA extensions here; elsewhere only torch's probes answer
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+@functools.cache
+def cpuinfo(field: str) -> str:
+    """The first ``field`` of Linux's ``/proc/cpuinfo`` (``"flags"``, ``"model name"``); ``""`` elsewhere.
+
+    Read once per field and process: the CPU does not change while it runs.
+
+    Example:
+        >>> isinstance(cpuinfo("model name"), str)
+        True
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as lines:
+            for line in lines:
+                if line.startswith(field):
+                    return line.partition(":")[2].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
 
 
 _INSTRUCTIONS = {

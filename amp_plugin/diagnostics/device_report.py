@@ -18,7 +18,7 @@ import torch
 
 from amp_plugin import _imports
 from amp_plugin._validation import check_bool, check_number, fail
-from amp_plugin.precision import auto_precision_reason, native_on_cpu, resolve_precision
+from amp_plugin.precision import auto_precision_reason, cpuinfo, native_on_cpu, resolve_precision
 
 __all__ = ["device_report", "format_device_report"]
 
@@ -134,22 +134,12 @@ def _probe(name: str) -> bool | None:
     return bool(probe()) if probe is not None else None
 
 
-def _cpu_name() -> str:
-    try:  # Linux names the model here; platform.processor() often says only "x86_64"
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _cpu() -> dict[str, Any]:
     avx512_bf16, amx = _probe("_is_avx512_bf16_supported"), _probe("_is_amx_tile_supported")
     native = None if avx512_bf16 is None and amx is None else bool(avx512_bf16 or amx)
     return {
-        "name": _cpu_name(),
+        # Linux names the model in /proc/cpuinfo; platform.processor() often says only "x86_64"
+        "name": cpuinfo("model name") or platform.processor() or platform.machine(),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "bf16_autocast": True,  # CPU autocast supports bf16 on every CPU; speed needs native instructions

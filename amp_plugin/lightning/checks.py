@@ -241,10 +241,10 @@ def check_fit_start(
 ) -> None:
     """Refuse a setup that would fail later (``ValueError``); warn about one that would mislead.
 
-    Checked is what the optimizers will step. Refused: LBFGS under loss scaling or with master
-    weights or a "-true" precision; with master
-    weights (``weights="master"``), a trainable half parameter without an fp32 master (the
-    optimizer would step it, and its fp16 state, directly); an ``eps`` that fp16 rounds to zero
+    Checked is what the optimizers will step. Refused: LBFGS under loss scaling, with master
+    weights or under a "-true" precision; with master weights (``weights="master"``), a trainable
+    half parameter without an fp32 master (the optimizer would step it, and its fp16 state,
+    directly); an ``eps`` that fp16 rounds to zero
     when the weights and optimizer state are fp16 (``weights="half"``: a zero second moment would
     divide by zero and write NaN into the weights); and the errors of
     :func:`~amp_plugin.diagnostics.check_optimizer_setup`. Its warnings, and a plain
@@ -259,10 +259,8 @@ def check_fit_start(
         ...
         ValueError: AMPPrecision('16-mixed') cannot drive LBFGS: ... HINT: use precision='bf16-mixed' ...
     """
-    if grad_scaling and any(is_lbfgs(o) for o in optimizers):
-        raise ValueError(LBFGS_REFUSAL)
-    if weights != "fp32" and any(is_lbfgs(o) for o in optimizers):
-        raise ValueError(LBFGS_HALF_WEIGHTS)
+    if (grad_scaling or weights != "fp32") and any(map(is_lbfgs, optimizers)):
+        raise ValueError(LBFGS_REFUSAL if grad_scaling else LBFGS_HALF_WEIGHTS)
     if dtype == torch.float32:
         return  # "32-true": no autocast, nothing mixed to check
     if weights == "master":

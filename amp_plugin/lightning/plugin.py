@@ -311,7 +311,7 @@ class AMPPrecision(MixedPrecision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # The hooks get the loss as the user computed it; only backward sees the scaled one.
-        _compat.before_backward_hooks(self, tensor, module)  # the hooks see the loss as computed
+        _compat.before_backward_hooks(self, tensor, module)
         guard = self._require_driver().scaler
         return tensor if guard is None else guard.scale(tensor)
 
