@@ -127,6 +127,9 @@ def check_half_dtype(call: str, dtype: object) -> torch.dtype:
 def check_master_weights(call: str, master_weights: object, dtype: object | None = None) -> MasterMode:
     """``master_weights`` if it is ``True``, ``False`` or ``"remainder"`` (only with bf16); else raise.
 
+    Another value raises ``TypeError`` (a string such as ``"False"`` is truthy); ``"remainder"``
+    with fp16 raises ``ValueError``.
+
     ``dtype`` is the half dtype the model will be cast to, where it is known (``None``: not yet).
 
     Example:
@@ -142,8 +145,9 @@ def check_master_weights(call: str, master_weights: object, dtype: object | None
         fail(
             call,
             passed=f"master_weights={master_weights!r}",
-            allowed="True, False or 'remainder'",
+            allowed="a bool (True or False) or 'remainder'",
             hint="pass master_weights=True for fp32 masters, or 'remainder' for bf16 plus 16-bit remainders.",
+            error=TypeError,
         )
     if master_weights == "remainder" and dtype is not None and dtype != torch.bfloat16:
         fail(
@@ -273,9 +277,9 @@ class MasterWeights:
         for half, master in self._pairs:
             if half in opt.state:
                 opt.state[master] = opt.state.pop(half)
+        self._follow_devices()
         handles = [opt.register_step_post_hook(lambda o, args, kwargs: self.master_to_model(o))]
         if self.remainder:
-            self._follow_devices()
             handles.insert(0, opt.register_step_pre_hook(lambda o, args, kwargs: self._unpack(self._own(o))))
         had_own = "zero_grad" in vars(opt)
         own = vars(opt).get("zero_grad")
@@ -395,17 +399,22 @@ class MasterWeights:
                 self._rest[id(master)] = rest
                 master.data = _stand_in(half)
 
+    @torch.no_grad()
     def _follow_devices(self) -> None:
-        """Move packed remainders (and the masters' stand-ins) to where their parameters are now.
+        """Move masters (or remainders) that are not on their parameter's device to it.
 
-        A strategy may move the model after it was cast (Lightning casts, then moves); the
-        optimizer is attached after that, so its state is made on the parameters' device.
+        Lightning's strategies cast the model, then move it; the optimizer is attached after
+        that, so the masters, their gradients and the optimizer state live where the model does.
         """
         for half, master in self._pairs:
-            rest = self._rest[id(master)]
-            if rest is not None and rest.device != half.device:
+            if master.device == half.device:
+                continue
+            rest = self._rest.get(id(master))
+            if rest is not None:
                 self._rest[id(master)] = rest.to(half.device)
                 master.data = _stand_in(half)
+            else:
+                master.data = master.data.to(half.device)
 
     def _zero_half_grads(self, optimizer: Optimizer, set_to_none: bool) -> None:
         for half, _ in self._own(optimizer):
