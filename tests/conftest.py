@@ -1,4 +1,8 @@
-"""Shared test set-up: the `cuda` and `apex` markers skip cleanly; every test runs isolated (`_isolated`)."""
+"""Shared test set-up: the `cuda` and `apex` markers skip cleanly; every test runs isolated (`_isolated`).
+
+The ``device`` fixture runs a test on every device this machine has: ``"cpu"``, plus ``"cuda"``
+where CUDA is available. Tests that take it build their tensors, models and oracles there.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +39,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_cuda)
         if "apex" in item.keywords and not (torch.cuda.is_available() and _imports.apex_available()):
             item.add_marker(no_apex)
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """``"cpu"``, and ``"cuda"`` where CUDA is available: the same assertions on each device.
+
+    An oracle computed in the test runs on the same device, so it has that device's arithmetic.
+    """
+    return str(request.param)
 
 
 @pytest.fixture(autouse=True)

@@ -47,10 +47,20 @@ def test_every_benchmark_has_a_readme_section_and_takes_quick() -> None:
         assert "--quick" in SMOKE_ARGS[script]
 
 
+def _cpu_env() -> dict[str, str]:
+    """The smoke runs' environment: one OpenMP thread, and the CPU only.
+
+    The smoke sizes are CPU sizes: a script that takes CUDA where it sees it (``fp8.py``'s GPU rows,
+    a ``--device`` that defaults to ``cuda``) would otherwise compile and time GPU models here on a
+    GPU machine. Its GPU rows are measured by ``report.py --device cuda``, not by a smoke run.
+    """
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
 @pytest.mark.parametrize("script", sorted(SMOKE_ARGS))
 def test_benchmark_smoke_run(script: str, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = _cpu_env()
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *SMOKE_ARGS[script], "--json", str(out)],
         cwd=tmp_path,
@@ -69,7 +79,7 @@ def test_benchmark_smoke_run(script: str, tmp_path: Path) -> None:
 
 def test_report_quick_run(tmp_path: Path) -> None:
     scripts = ["numerics_speed.py", "fp32_functions.py"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = _cpu_env()
     proc = subprocess.run(
         [
             sys.executable,
