@@ -45,7 +45,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -327,8 +327,11 @@ def targets(shapes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def speed_rows(args: argparse.Namespace) -> dict[str, Any]:
-    """The speed rows: on an fp8 GPU at full size, else a smoke run (``--quick``) or a note."""
+def speed_rows(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """The speed rows: on an fp8 GPU at full size, else a smoke run (``--quick``) or a note.
+
+    ``save`` gets the rows so far after each shape: a run cut short keeps what it measured.
+    """
     has, why = fp8_hardware()
     if not has and not args.quick:
         return {"skipped": f"needs a CUDA GPU of capability >= 8.9; this machine: {why.partition(' (')[0]}"}
@@ -339,17 +342,16 @@ def speed_rows(args: argparse.Namespace) -> dict[str, Any]:
     else:
         shapes = [replace(SHAPES[n], **_overrides(args, SHAPES[n])) for n in args.shapes]
     compiled = device == "cuda" and not args.quick and not args.eager
-    results = []
+    results: list[dict[str, Any]] = []
+    smoke = args.quick or device == "cpu"
+    speed = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "smoke": smoke,
+             "shapes": results, "targets": []}  # fmt: skip
     for shape in shapes:
         print(f"  timing {shape.name}: {shape.describe()}", file=sys.stderr, flush=True)
         results.append(time_shape(shape, args.recipes, device, compiled, args.warmup, args.repeats))
-    smoke = args.quick or device == "cpu"
-    return {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "smoke": smoke,
-        "shapes": results,
-        "targets": [] if smoke else targets(results),
-    }
+        speed["targets"] = [] if smoke else targets(results)
+        save(speed)
+    return speed
 
 
 def _overrides(args: argparse.Namespace, shape: Shape) -> dict[str, int]:
@@ -443,7 +445,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             payload["cpu"] = error_rows(args.dim, args.steps)
             print_error_rows(payload["cpu"])
         if "speed" in args.rows:
-            payload["speed"] = speed_rows(args)
+
+            def save(speed: dict[str, Any]) -> None:
+                if args.json:
+                    write_json(args.json, {**payload, "speed": speed})
+
+            payload["speed"] = speed_rows(args, save)
             print()
             print_speed_rows(payload["speed"])
     if args.json:

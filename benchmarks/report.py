@@ -184,7 +184,13 @@ def run_one(script: str, args: list[str], workdir: Path, timeout: float) -> tupl
             timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        return None, f"timed out after {timeout:.0f} s", time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if out.exists():  # a script that writes its JSON as it goes (fp8.py) leaves what it measured
+            try:
+                return {**json.loads(out.read_text()), "timed_out": timeout}, "", seconds
+            except json.JSONDecodeError:
+                pass
+        return None, f"timed out after {timeout:.0f} s", seconds
     seconds = time.perf_counter() - start
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
     if proc.returncode != 0 or not out.exists():
@@ -208,11 +214,20 @@ def section(
         f"`{' '.join(['python', f'benchmarks/{script}', *args])}` ({seconds:.0f} s)",
         "",
     ]
+    if "timed_out" in payload:
+        parts += [
+            f"**Timed out** after {payload['timed_out']:.0f} s: the tables show what it measured before.",
+            "",
+        ]
     for table in summary.tables:
         parts += [tables.markdown(table), ""]
     if summary.bars is not None:
-        tables.plot(summary.bars, img_dir / f"{name}.png")
-        parts += [f"![{name}: {summary.bars.title}](img/{img_name}/{name}.png)", ""]
+        try:
+            tables.plot(summary.bars, img_dir / f"{name}.png")
+        except ImportError:  # a GPU image may lack matplotlib: the tables are the report
+            parts += ["(No chart: matplotlib is not installed.)", ""]
+        else:
+            parts += [f"![{name}: {summary.bars.title}](img/{img_name}/{name}.png)", ""]
     return "\n".join(parts)
 
 
@@ -239,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="rerun only the --only benchmarks and replace their sections in the existing report",
     )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per benchmark (default 600)")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write every benchmark's JSON here, in one file"
+    )
     parser.add_argument(
         "--budget",
         type=float,
@@ -270,10 +288,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     img_dir = args.out_dir / "img" / name
     img_dir.mkdir(parents=True, exist_ok=True)
     given = list(argv if argv is not None else sys.argv[1:])
-    if "--out-dir" in given:  # where the report goes changes none of its numbers
-        del given[given.index("--out-dir") : given.index("--out-dir") + 2]
+    for where in ("--out-dir", "--json"):  # where the results go changes none of their numbers
+        if where in given:
+            del given[given.index(where) : given.index(where) + 2]
     command = " ".join(["python benchmarks/report.py", *given])
     sections, failed, start = [], [], time.perf_counter()
+    payloads: dict[str, dict | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for script in scripts:
             bench_args = arguments(script, args.device, args.quick)
@@ -287,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout = min(args.timeout, GPU_RUNS[script].timeout_s if gpu else args.timeout, left)
             print(f"running {script} {' '.join(bench_args)}", flush=True)
             payload, error, seconds = run_one(script, bench_args, Path(tmp), timeout)
+            payloads[script] = payload
+            if payload is not None and "timed_out" in payload:
+                failed.append(script)
+                print(f"  TIMED OUT after {payload['timed_out']:.0f} s (partial results kept)", flush=True)
             if payload is None:
                 print(f"  FAILED: {error}", flush=True)
                 failed.append(script)
@@ -307,6 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         text = "\n".join([*intro(command, total, header, gpu, args.quick, failed), *sections])
     report.write_text(text.rstrip() + "\n")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        results = {"command": command, "machine": header, "failed": failed, "benchmarks": payloads}
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {report} ({len(scripts) - len(failed)} of {len(scripts)} benchmarks) in {total:.0f} s")
     return 1 if failed else 0
 

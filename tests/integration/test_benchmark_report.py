@@ -58,8 +58,14 @@ def test_gpu_report_writes_its_own_page_with_the_gpu_in_the_header(
 ) -> None:
     _cpu_stand_in(monkeypatch)
     monkeypatch.chdir(tmp_path)
-    assert REPORT.main(["--device", "cuda", "--out-dir", str(tmp_path)]) == 0
+    assert (
+        REPORT.main(["--device", "cuda", "--out-dir", str(tmp_path), "--json", str(tmp_path / "all.json")])
+        == 0
+    )
     assert not (tmp_path / "benchmarks.md").exists()  # the CPU report stays as it is
+    results = json.loads((tmp_path / "all.json").read_text())  # what a GPU run brings back besides the page
+    assert results["failed"] == [] and results["machine"]["GPU"] == CANNED_GPU["GPU"]
+    assert results["benchmarks"]["numerics_speed.py"]["results"]
     report = (tmp_path / "benchmarks-gpu.md").read_text()
     assert report.startswith("# Benchmark report (GPU)\n")
     assert "`python benchmarks/report.py --device cuda`" in report
@@ -322,3 +328,33 @@ def test_fp8_speed_rows_put_raw_torchao_beside_the_plugin(tmp_path: Path) -> Non
     assert ours["vs_torchao"] == pytest.approx(theirs["ms"] / ours["ms"])
     assert ours["vs_bf16"] == pytest.approx(rows["bf16"]["ms"] / ours["ms"])
     assert "vs bf16" in proc.stdout and "vs torchao" in proc.stdout
+
+
+def test_a_benchmark_cut_off_by_its_timeout_keeps_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp8.py writes its JSON after each shape, so a GPU report whose budget cuts it short keeps those."""
+
+    def cut_off(command: list[str], **kwargs: Any) -> None:
+        out = Path(command[command.index("--json") + 1])
+        out.write_text(json.dumps({**_ENV, **CANNED["numerics_speed"]}))
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(REPORT.subprocess, "run", cut_off)
+    payload, error, _ = REPORT.run_one("numerics_speed.py", [], tmp_path, timeout=7)
+    assert error == "" and payload["timed_out"] == 7
+    section = REPORT.section("numerics_speed.py", [], payload, 7.0, tmp_path, "benchmarks-gpu")
+    assert "**Timed out** after 7 s: the tables show what it measured before." in section
+    assert "| bf16 | stochastic_round | 2.255 | 2.4x |" in section
+
+
+def test_a_report_without_matplotlib_keeps_its_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_matplotlib(*args: Any) -> None:
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(TABLES, "plot", no_matplotlib)
+    section = REPORT.section("numerics_speed.py", [], {**_ENV, **CANNED["numerics_speed"]}, 1.0, tmp_path)
+    assert "(No chart: matplotlib is not installed.)" in section
+    assert "| bf16 | stochastic_round | 2.255 | 2.4x |" in section
