@@ -228,7 +228,10 @@ def build_case(label: str, recipe: str, shape: Shape, device: str, compiled: boo
     from amp_plugin.fabric import AMPPrecision
 
     torch.manual_seed(0)
-    model = Llama(shape)
+    with torch.device(
+        device
+    ):  # initialised where it trains: a 0.86B-parameter layer is slow to fill on a CPU
+        model = Llama(shape)
     if label == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
