@@ -155,8 +155,9 @@ def clip_grad_norm_(
         >>> round(res.total_norm.item(), 4), [round(g, 4) for g in grads[0].tolist()]
         (5.0, [0.6, 0.8])
     """
-    # Gradients already unscaled take torch's own recipe, so that the result is bit-identical to
-    # unscale_ + torch.nn.utils.clip_grad_norm_; scaled ones take the backend's fastest norm.
+    # Gradients already unscaled take torch's own recipe, so that the norm is bit-identical to
+    # unscale_ + torch.nn.utils.clip_grad_norm_'s (the clipped gradients too, except fp16/bf16 ones on
+    # CUDA, whose factor torch rounds: kernels.base); scaled ones take the backend's fastest norm.
     norm_in_memory = kernels.norm(grads, norm_type, exact=grad_scale is None)
     total_norm = norm_in_memory if grad_scale is None else norm_in_memory / grad_scale.to(norm_in_memory)
     # Non-finite when a gradient is inf/NaN, and also when unscaling by a scale below 1 overflows.

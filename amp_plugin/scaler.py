@@ -523,7 +523,8 @@ class LossScaler:
         ready = state.stage is Stage.READY
         carried = self._carried_factor(opt) if ready else state.grad_scale
         # Fold only while the gradients still carry a factor: once unscaled in memory, the
-        # in-place multiply is torch's own recipe, bit for bit.
+        # in-place multiply is torch's own recipe (bit for bit, but where torch rounds the factor:
+        # kernels.base).
         fold = carried is not None and _fused(opt)
         result = clipping.clip_grad_norm_(
             kernels,
