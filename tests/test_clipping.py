@@ -173,14 +173,11 @@ def test_sparse_gradients_are_rejected() -> None:
 
 # -- the read-only inf check of a step that clips nothing ----------------------------------------
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().reshape(-1).view(torch.uint8).clone()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
 def test_nonfinite_flags_exactly_the_gradients_with_an_inf_or_nan(

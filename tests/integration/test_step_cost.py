@@ -36,7 +36,6 @@ from amp_plugin import AMPPrecision, LossScaler
 
 BATCH = 3  # counted: after the first batches, which create the scale, the flags and the optimizer state
 EXTRA_OPS = 6  # the guard's budget of aten ops per batch over MixedPrecision's
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 class StepCost(TorchDispatchMode):
@@ -163,7 +162,6 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("precision", "fused", "clip", "passes", "reads"), CASES)
 @pytest.mark.filterwarnings("ignore:.*emulates.*")
 def test_guarded_batch_costs_a_handful_of_ops_over_mixed_precision(
