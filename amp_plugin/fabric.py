@@ -173,6 +173,24 @@ class AMPPrecision(MixedPrecision):
     def __repr__(self) -> str:
         return f"amp_plugin.fabric.AMPPrecision({self.requested!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Fabric(strategy="ddp_spawn") pickles the plugin into every process. Weak references do not
+        # pickle: the models set up go as strong ones (a spawn pickles them alongside, so they are
+        # shared, not copied twice), and ids of optimizers mean nothing in another process.
+        state = dict(self.__dict__)
+        state["_fp32_hooks"] = list(self._fp32_hooks.items())
+        state["_module"] = None if self._module is None else self._module()
+        state["_models"] = [m for ref in self._models if (m := ref()) is not None]
+        state["_attached"] = set()  # a copy re-attaches each optimizer at its first step
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        hooks, module, models = state.pop("_fp32_hooks"), state.pop("_module"), state.pop("_models")
+        self.__dict__.update(state)
+        self._fp32_hooks = weakref.WeakKeyDictionary(hooks)
+        self._module = None if module is None else weakref.ref(module)
+        self._models = [weakref.ref(m) for m in models]
+
     def __str__(self) -> str:
         # Lightning's Trainer names a plugin it refuses by str(): say which plugin a Trainer takes.
         return f"{self!r} (Lightning Fabric's plugin; Trainer(plugins=[...]) takes amp_plugin.AMPPrecision)"

@@ -62,6 +62,18 @@ class HalfWeights:
         self._rng_states: list[Any] = []  # loaded before the optimizers exist
         self._module: weakref.ref[nn.Module] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A spawned process gets a pickled copy: a weak reference does not pickle, the model does (it
+        # travels in the same pickle as a rule, so the copy knows its copy of the model as converted).
+        state = dict(self.__dict__)
+        state["_module"] = None if self._module is None else self._module()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        module = state.pop("_module")
+        self.__dict__.update(state)
+        self._module = None if module is None else weakref.ref(module)
+
     def convert(
         self, module: nn.Module, dtype: torch.dtype, extra_fp32: Sequence[type[nn.Module]] = ()
     ) -> None:
