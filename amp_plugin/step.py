@@ -210,13 +210,12 @@ class StepDriver:
         flags, self._in_batch = self._in_batch, []
         if len(flags) == 1:  # automatic optimization: the batch's one step
             self._batch = flags[0]
-        elif all(isinstance(f, bool) for f in flags):
-            self._batch = any(flags)
-        else:  # one device op per batch; nothing is read
-            device = next(f.device for f in flags if isinstance(f, Tensor))
-            self._batch = torch.stack(
-                [torch.as_tensor(f, dtype=torch.float32, device=device) for f in flags]
-            ).amax()
+        elif any(f is True for f in flags) or all(isinstance(f, bool) for f in flags):
+            self._batch = any(f is True for f in flags)  # known on the host: nothing to launch
+        else:  # the device flags only (a host False adds nothing, and would be a host-to-device copy)
+            device_flags = [f for f in flags if isinstance(f, Tensor)]
+            device = device_flags[0].device
+            self._batch = torch.stack([f.to(device, torch.float32) for f in device_flags]).amax()
         self._last = None  # from here on last_step_skipped describes the whole batch
 
     def _arm(self, scaler: LossScaler, opt: Any) -> str:

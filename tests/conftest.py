@@ -29,6 +29,23 @@ def pytest_configure(config: pytest.Config) -> None:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker takes its share of the cores (unless OMP_NUM_THREADS says otherwise).
+
+    torch starts one intra-op thread per core in every process: 14 workers on 16 cores run 224
+    threads, and a thread waiting for its core holds up every op it is part of. The processes the
+    tests start (examples, benchmarks, ranks) inherit the share through ``OMP_NUM_THREADS``. (The
+    GPU machine's run, ``-n 14 --timeout 90`` on 16 cores, failed mostly the slowest tests: those
+    that start processes, compile, or train for many steps.)
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

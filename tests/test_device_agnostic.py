@@ -170,3 +170,27 @@ def test_the_check_finds_an_unpinned_trainer() -> None:
         for call in _calls(statement)
     }
     assert verdicts == {2: False, 4: True, 6: True, 8: True, 9: True, 10: True}
+
+
+def test_every_fully_shard_in_the_code_names_its_mesh() -> None:
+    """``fully_shard`` without ``mesh=`` shards over torch's accelerator: CUDA where there is one.
+
+    The gloo processes of the tests and benchmarks then put their shards on one GPU, where gloo
+    cannot reduce-scatter them; a CPU mesh (``init_device_mesh("cpu", (world,))``) says what they mean.
+    """
+    folders = ("tests", "examples", "benchmarks")
+    files = [path for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))]
+    calls = [
+        (path, node)
+        for path in files
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", "")) == "fully_shard"
+    ]
+    assert len(calls) > 5
+    unpinned = [f"{path.relative_to(ROOT)}:{call.lineno}" for path, call in calls if not _names_mesh(call)]
+    assert not unpinned, "HINT: pass mesh=init_device_mesh('cpu', (world,)):\n" + "\n".join(unpinned)
+
+
+def _names_mesh(call: ast.Call) -> bool:
+    return len(call.args) > 1 or any(k.arg in ("mesh", None) for k in call.keywords)

@@ -353,7 +353,7 @@ def test_the_short_path_of_update_changes_nothing(settings: dict[str, Any]) -> N
         states = []
         for flag in flags:
             policy.update_(torch.tensor(flag), bool(flag) if known else None)
-            states.append((policy.state_dict(), int(policy.floor_step), bool(policy.last_inf)))
+            states.append((policy.state_dict(), int(policy.floor_step), policy.last_skipped()))
         return states
 
     assert run(known=True) == run(known=False)

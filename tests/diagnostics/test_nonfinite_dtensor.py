@@ -27,6 +27,7 @@ def _model() -> nn.Module:
 
 
 def _worker(rank: int, store: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
@@ -34,8 +35,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     results: dict[str, Any] = {}
     try:
         model = _model()
+        mesh = init_device_mesh("cpu", (WORLD,))  # fully_shard's default mesh is CUDA's where CUDA is present
         for layer in (model[0], model[2], model):
-            fully_shard(layer)
+            fully_shard(layer, mesh=mesh)
         model(torch.randn(3, 4)).sum().backward()
         results["clean"] = [str(g) for g in nonfinite_gradients(model)]
         grad = model[2].weight.grad
