@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_plugin.master_weights import NORM_LAYERS, MasterWeights, cast_model
+from amp_plugin.master_weights import NORM_LAYERS, MasterMode, MasterWeights, cast_model
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.rounded_updates import RoundedUpdates, Rounding
 
@@ -30,7 +30,8 @@ class HalfWeights:
 
     Args:
         master_weights: keep fp32 masters that the optimizer steps ("-mixed" precisions);
-            ``False`` holds the weights in half only ("-true" precisions).
+            ``"remainder"`` keeps them as bf16 weights plus int16 remainders; ``False`` holds the
+            weights in half only ("-true" precisions).
         keep_fp32: module classes whose tensors stay fp32; ``None`` means the normalization
             layers with master weights and nothing without (as Lightning's "-true" and Apex's O3).
         rounding: how updates are written into half weights without masters.
@@ -46,7 +47,7 @@ class HalfWeights:
 
     def __init__(
         self,
-        master_weights: bool,
+        master_weights: MasterMode,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         rounding: Rounding = "nearest",
         seed: int = 0,

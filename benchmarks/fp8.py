@@ -228,9 +228,8 @@ def build_case(label: str, recipe: str, shape: Shape, device: str, compiled: boo
     from amp_plugin.fabric import AMPPrecision
 
     torch.manual_seed(0)
-    with torch.device(
-        device
-    ):  # initialised where it trains: a 0.86B-parameter layer is slow to fill on a CPU
+    # Initialised where it trains: a 0.86B-parameter layer is slow to fill on a CPU.
+    with torch.device(device):
         model = Llama(shape)
     if label == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
