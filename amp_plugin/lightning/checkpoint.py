@@ -24,6 +24,7 @@ __all__ = [
     "check_entry",
     "check_scaler_state",
     "checkpoint_entry",
+    "grad_scaler_state",
     "load_entry",
     "load_scaler_state",
     "save_entry",
@@ -49,6 +50,19 @@ def checkpoint_entry(precision: str, scaler: LossScaler | None) -> dict[str, Any
         {'precision': 'bf16-mixed', 'scaler': {}}
     """
     return {"precision": precision, "scaler": scaler.state_dict() if scaler is not None else {}}
+
+
+def grad_scaler_state(scaler: LossScaler) -> dict[str, Any]:
+    """The part of ``scaler``'s state a ``torch.amp.GradScaler`` loads: its five keys (empty if disabled).
+
+    What Lightning's own plugins restore their scaler from, so that going back to them keeps the scale.
+
+    Example:
+        >>> sorted(grad_scaler_state(LossScaler("cpu", init_scale=8.0, hysteresis=2)))
+        ['_growth_tracker', 'backoff_factor', 'growth_factor', 'growth_interval', 'scale']
+    """
+    state = scaler.state_dict()
+    return {key: state[key] for key in _GRAD_SCALER_KEYS} if state else {}
 
 
 def scaler_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -144,7 +158,7 @@ def save_entry(
         entry["guard"] = guard.state_dict()
     checkpoint[CHECKPOINT_KEY] = entry
     if scaler is not None and entry["scaler"]:  # Lightning's MixedPrecision resumes the scale from here
-        checkpoint[_FOREIGN_KEYS[0]] = {key: entry["scaler"][key] for key in _GRAD_SCALER_KEYS}
+        checkpoint[_FOREIGN_KEYS[0]] = grad_scaler_state(scaler)
     if half is not None:
         half.on_save(checkpoint, entry)
 

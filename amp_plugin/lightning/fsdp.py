@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from amp_plugin._validation import check_bool, fail
 from amp_plugin.lightning import _compat, checks
+from amp_plugin.lightning.checkpoint import grad_scaler_state
 from amp_plugin.optim import handles_unscaling
 from amp_plugin.scaler import LossScaler
 from amp_plugin.step import StepDriver
@@ -129,6 +130,17 @@ class AMPFSDPPrecision(FSDPPrecision):
         with super().train_step_context():
             yield
         self._driver.end_batch()  # manual optimization: one update per batch, after every step
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also write the scale where Lightning's ``FSDPPrecision`` reads it, so going back keeps it.
+
+        Lightning files this plugin's own state under its class name; ``FSDPPrecision`` looks under
+        its own, in ``GradScaler``'s five keys.
+        """
+        scaler = self.scaler
+        if scaler is not None and (state := grad_scaler_state(scaler)):
+            checkpoint[FSDPPrecision.__qualname__] = state
 
     @property  # type: ignore[override]  # FSDPPrecision's is a ShardedGradScaler attribute
     def scaler(self) -> LossScaler | None:

@@ -152,3 +152,22 @@ def test_fabric_forward_context_under_a_true_precision_also_switches_the_default
 def test_fsdp_errors_carry_lightnings_words(kwargs: dict[str, Any], words: str) -> None:
     with pytest.raises(ValueError, match=rf"{words}.*HINT"):
         AMPFSDPPrecision(**kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:.*CUDA is not available")  # FSDPPrecision's own default scaler
+def test_lightnings_fsdp_precision_resumes_the_scale_of_an_amp_fsdp_checkpoint() -> None:
+    """AMPFSDPPrecision to FSDPPrecision: the scale carries over (saved and loaded as Lightning does)."""
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    ours = AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu", init_scale=512.0, growth_interval=7))
+    checkpoint: dict[str, Any] = {}
+    if state := ours.state_dict():  # what Lightning's checkpoint connector writes
+        checkpoint[type(ours).__qualname__] = state
+    ours.on_save_checkpoint(checkpoint)
+    theirs = FSDPPrecision("16-mixed")
+    theirs.scaler = ShardedGradScaler("cpu")  # its own default is a CUDA one
+    theirs.on_load_checkpoint(checkpoint)  # what the connector reads back
+    if type(theirs).__qualname__ in checkpoint:
+        theirs.load_state_dict(checkpoint[type(theirs).__qualname__])
+    assert (theirs.scaler.get_scale(), theirs.scaler.get_growth_interval()) == (512.0, 7)
