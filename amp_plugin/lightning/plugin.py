@@ -36,6 +36,7 @@ from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
+from amp_plugin.spike import SpikeGuard, check_spike_guard
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -91,6 +92,9 @@ class AMPPrecision(MixedPrecision):
             ``"bf16-mixed"``): a recipe name (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``) or a :class:`~amp_plugin.fp8.Float8` (recipe, layer filter);
             the choice is reported at fit start and kept in :attr:`fp8_report`.
+        spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
+            jumps far above its recent history (counted as a skip; the scale does not back off).
+            It is handed to the :attr:`guard`.
 
     Example:
         >>> plugin = AMPPrecision("16-mixed", device="cpu")
@@ -117,8 +121,10 @@ class AMPPrecision(MixedPrecision):
         fp32_functions: Callable[..., Any] | Sequence[Callable[..., Any]] = (),
         guard: bool = True,
         fp8: Recipe | Float8 | None = None,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip, guard)
+        self.spike_guard = check_spike_guard("AMPPrecision", spike_guard, guard)
         self.fp8 = check_fp8_request("AMPPrecision", fp8, precision, master_weights)
         self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
@@ -179,6 +185,8 @@ class AMPPrecision(MixedPrecision):
         guard = self.scaler
         if guard is None and self._guard:  # nothing to scale: a guard that only checks and skips
             guard = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
+        if guard is not None and self.spike_guard is not None:
+            guard.spike_guard = self.spike_guard
         if self._driver is None or self._driver.scaler is not guard:
             self._driver = StepDriver(
                 guard, None if self._half is None else self._half.before_step, self.kernels
@@ -478,6 +486,8 @@ class AMPPrecision(MixedPrecision):
         old, self._scaler = self._scaler, new
         if self._driver is not None and old is not None and self._driver.scaler is old:
             self._driver.scaler = new  # the steps read the driver's scaler
+        if new is not None and self.spike_guard is not None:
+            new.spike_guard = self.spike_guard
 
     @property
     def guard(self) -> LossScaler | None:
