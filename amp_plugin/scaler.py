@@ -412,7 +412,8 @@ class LossScaler:
                 "last update(). HINT: " + _ORDER
             )
         self._last_skipped = self._iteration.skipped_on_host()  # known without a read where step() read
-        spike = None if self.spike_guard is None else self.spike_guard.flag()
+        # Only a spike flag that a step() of this iteration applied is counted (made there, once).
+        spike = self.spike_guard.flag() if self.spike_guard is not None and self._spike_synced else None
         found_inf = found[0]  # read only below, and the iteration's flags are dropped with it
         if len(found) > 1:
             found_inf = found_inf.clone()
