@@ -208,3 +208,20 @@ def test_a_tiny_hugging_face_llama_trains_without_a_spike_skip() -> None:
         driver.step(opt, lambda: False)
         opt.zero_grad(set_to_none=True)
     assert scaler.skipped_steps == 0 and spike.spikes() == 0 and spike.recorded() == 200
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_the_spike_check_adds_no_host_read(device: str, fused: bool) -> None:
+    from amp_plugin.diagnostics.host_reads import HostReads
+
+    counts = []
+    for spike in (None, SpikeGuard(warmup=2)):
+        model, opt = _model(device, fused)
+        driver = StepDriver(LossScaler(device, init_scale=1.0, dynamic=False, spike_guard=spike))
+        batches = _batches(device, 6)
+        for batch in batches[:5]:  # past the warm-up: the check runs in full
+            _step(driver, model, opt, batch)
+        with HostReads() as mode:
+            _step(driver, model, opt, batches[5])
+        counts.append(mode.count)
+    assert counts[0] == counts[1]  # whatever the step reads (AdamW reads its own step count), no more
