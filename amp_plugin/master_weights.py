@@ -306,6 +306,7 @@ class MasterWeights:
                 fail(
                     "MasterWeights.load_state_dict",
                     passed=f"{prefix}{names[0]}={_describe(value)}",
+                    why="it does not fit this model's parameter",
                     allowed=f"a tensor of shape {tuple(master.shape)}",
                     hint="load a checkpoint of this model.",
                 )

@@ -61,8 +61,8 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision",
                 passed=f"precision={precision!r}",
-                allowed=f"{precision!r} is not supported in FSDP; use one of "
-                + ", ".join(map(repr, _PRECISIONS)),
+                why=f"{precision!r} is not supported in FSDP",
+                allowed="one of " + ", ".join(map(repr, _PRECISIONS)),
                 hint="'16-mixed' is the precision that scales the loss.",
             )
         if scaler is not None and not isinstance(scaler, LossScaler):
@@ -77,7 +77,8 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision",
                 passed=f"precision={precision!r}, scaler=LossScaler",
-                allowed=f"a scaler only with '16-mixed': precision={precision!r} does not use a scaler",
+                why=f"precision={precision!r} does not use a scaler",
+                allowed="a scaler only with '16-mixed'",
                 hint="drop the scaler: bf16 and fp32 need none.",
             )
         check_bool("AMPFSDPPrecision", "guard", guard)
@@ -153,6 +154,7 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision.clip_grad_by_norm",
                 passed="guard=False",
+                why="the norm clip goes through the guard's LossScaler",
                 allowed="the guard on (the norm clip goes through its LossScaler)",
                 hint="use gradient_clip_algorithm='value', or drop guard=False.",
             )
