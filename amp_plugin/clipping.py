@@ -13,7 +13,6 @@ unscaled norm (to fp32 rounding), and it is non-finite exactly when some gradien
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import Kernels
+from amp_plugin.kernels.base import group_by_device_and_dtype, to_device
 
 __all__ = ["ClipResult", "clip_coefficient", "clip_grad_norm_", "gradients", "nonfinite"]
 
@@ -75,24 +75,41 @@ def gradients(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
     return grads
 
 
-def nonfinite(kernels: Kernels, grads: Sequence[Tensor]) -> Tensor:
+def nonfinite(grads: Sequence[Tensor], one: Tensor) -> Tensor:
     """``1.0`` where a gradient element is inf/NaN, else ``0.0`` (fp32, 0-dim): one read, no write.
 
-    The fp32 total norm is non-finite exactly when an element is (or when the norm itself
-    overflows fp32, above about 1.8e19, which counts as an overflow too).
+    The inf check of a step that clips nothing (the guard's, a fused optimizer's): torch's
+    per-tensor norms (one multi-tensor launch per device and dtype, for every floating dtype on
+    every device) and torch's AMP inf check over those norms (one more launch), into a flag
+    made next to ``one``: three launches where a total norm and a comparison take six. A norm
+    is non-finite exactly when an element is, or when it overflows fp32 (above about 1.8e19),
+    which counts as an overflow too.
+
+    Args:
+        grads: the gradient tensors (local shards, for sharded ones: the flag is this rank's).
+        one: an fp32 ``1.0`` on the device the flag is wanted on (e.g. a guard's scale); it is
+            the check's factor, so no tensor is made for it per step.
 
     Example:
-        >>> from amp_plugin.kernels import get_kernels
-        >>> nonfinite(get_kernels("torch"), [torch.tensor([1.0, float("inf")])])
+        >>> nonfinite([torch.tensor([1.0, float("inf")]), torch.ones(2)], torch.ones(()))
         tensor(1.)
     """
-    return _nonfinite_norm(kernels.norm(grads))
+    found_inf = torch.zeros((), dtype=torch.float32, device=one.device)
+    with torch.no_grad():
+        norms = [
+            norm if norm.device == one.device else to_device(norm, one.device)
+            for group in group_by_device_and_dtype(grads).values()
+            for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)
+        ]
+        if norms:
+            torch._amp_foreach_non_finite_check_and_unscale_(norms, found_inf, one)
+    return found_inf
 
 
-def _nonfinite_norm(norm: Tensor) -> Tensor:
-    """``1.0`` where a norm (>= 0, or inf/NaN) is inf/NaN, else ``0.0``: 3 kernels where
-    ``~isfinite`` takes 6 (a step pays for each kernel launch)."""
-    return torch.lt(norm, math.inf).logical_not_().float()
+def _flag(norm: Tensor) -> Tensor:
+    """``1.0`` where a norm (>= 0, or inf/NaN) is inf/NaN, else ``0.0``: two launches (``0 * norm`` is
+    NaN exactly for inf/NaN), where ``~isfinite`` takes five."""
+    return torch.mul(norm, 0.0).nan_to_num_(nan=1.0)
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
@@ -138,12 +155,13 @@ def clip_grad_norm_(
         >>> round(res.total_norm.item(), 4), [round(g, 4) for g in grads[0].tolist()]
         (5.0, [0.6, 0.8])
     """
-    # Gradients already unscaled take torch's own recipe, so that the result is bit-identical to
-    # unscale_ + torch.nn.utils.clip_grad_norm_; scaled ones take the backend's fastest norm.
+    # Gradients already unscaled take torch's own recipe, so that the norm is bit-identical to
+    # unscale_ + torch.nn.utils.clip_grad_norm_'s (the clipped gradients too, except fp16/bf16 ones on
+    # CUDA, whose factor torch rounds: kernels.base); scaled ones take the backend's fastest norm.
     norm_in_memory = kernels.norm(grads, norm_type, exact=grad_scale is None)
     total_norm = norm_in_memory if grad_scale is None else norm_in_memory / grad_scale.to(norm_in_memory)
     # Non-finite when a gradient is inf/NaN, and also when unscaling by a scale below 1 overflows.
-    found_inf = _nonfinite_norm(total_norm)
+    found_inf = _flag(total_norm)
     if error_if_nonfinite and bool(found_inf):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the unscaled gradients is non-finite, so it cannot "

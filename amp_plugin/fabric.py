@@ -73,6 +73,9 @@ class AMPPrecision(MixedPrecision):
         master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
             optimizer step fp32 master copies (Apex's O2); the model's ``state_dict`` (and so
             ``fabric.save``) holds the fp32 values.
+            ``"remainder"`` (with ``"bf16-mixed"``) keeps the same exact fp32 masters as the bf16
+            weights plus an int16 remainder each: 2 bytes per parameter less (see
+            :mod:`amp_plugin.master_weights`).
         keep_fp32: module classes whose weights stay fp32 when the model is cast; default: the
             normalization layers with master weights, nothing with "-true" precisions.
         rounding: how updates are written into "-true" weights: ``"nearest"``, ``"stochastic"``
@@ -108,7 +111,7 @@ class AMPPrecision(MixedPrecision):
         kernels: Backend = "auto",
         fp32_modules: Sequence[type[nn.Module]] = (),
         guard: bool = True,
-        master_weights: bool = False,
+        master_weights: bool | Literal["remainder"] = False,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
         rounding_seed: int = 0,
@@ -169,6 +172,24 @@ class AMPPrecision(MixedPrecision):
 
     def __repr__(self) -> str:
         return f"amp_plugin.fabric.AMPPrecision({self.requested!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Fabric(strategy="ddp_spawn") pickles the plugin into every process. Weak references do not
+        # pickle: the models set up go as strong ones (a spawn pickles them alongside, so they are
+        # shared, not copied twice), and ids of optimizers mean nothing in another process.
+        state = dict(self.__dict__)
+        state["_fp32_hooks"] = list(self._fp32_hooks.items())
+        state["_module"] = None if self._module is None else self._module()
+        state["_models"] = [m for ref in self._models if (m := ref()) is not None]
+        state["_attached"] = set()  # a copy re-attaches each optimizer at its first step
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        hooks, module, models = state.pop("_fp32_hooks"), state.pop("_module"), state.pop("_models")
+        self.__dict__.update(state)
+        self._fp32_hooks = weakref.WeakKeyDictionary(hooks)
+        self._module = None if module is None else weakref.ref(module)
+        self._models = [weakref.ref(m) for m in models]
 
     def __str__(self) -> str:
         # Lightning's Trainer names a plugin it refuses by str(): say which plugin a Trainer takes.

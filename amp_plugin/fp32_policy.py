@@ -66,6 +66,15 @@ class Fp32Modules:
             self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The open regions belong to the threads of this process (none between forward passes); a
+        # copy (a pickled plugin in a spawned process, a deep-copied model) starts without any.
+        return {k: v for k, v in self.__dict__.items() if k != "_regions"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._regions = _Regions()
+
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         region = ExitStack()
         region.enter_context(autocast_state().disabled().apply())

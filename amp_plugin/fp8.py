@@ -254,10 +254,10 @@ def check_fp8_request(
             allowed="precision='bf16-mixed' with fp8 (the layers outside fp8 run under bf16 autocast)",
             hint="use precision='bf16-mixed' together with fp8=... (fp8 hardware always has bf16).",
         )
-    if master_weights is True:
+    if master_weights is True or master_weights == "remainder":
         fail(
             call,
-            passed=f"fp8={shown}, master_weights=True",
+            passed=f"fp8={shown}, master_weights={master_weights!r}",
             why="torchao keeps the fp32 weights and casts them per matmul: they are the masters",
             allowed="fp8 with master_weights=False (the default)",
             hint="drop master_weights: the fp32 weights are the masters already.",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_plugin.master_weights import NORM_LAYERS, MasterWeights, cast_model
+from amp_plugin.master_weights import NORM_LAYERS, MasterMode, MasterWeights, cast_model
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.rounded_updates import RoundedUpdates, Rounding
 
@@ -30,7 +30,8 @@ class HalfWeights:
 
     Args:
         master_weights: keep fp32 masters that the optimizer steps ("-mixed" precisions);
-            ``False`` holds the weights in half only ("-true" precisions).
+            ``"remainder"`` keeps them as bf16 weights plus int16 remainders; ``False`` holds the
+            weights in half only ("-true" precisions).
         keep_fp32: module classes whose tensors stay fp32; ``None`` means the normalization
             layers with master weights and nothing without (as Lightning's "-true" and Apex's O3).
         rounding: how updates are written into half weights without masters.
@@ -46,7 +47,7 @@ class HalfWeights:
 
     def __init__(
         self,
-        master_weights: bool,
+        master_weights: MasterMode,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         rounding: Rounding = "nearest",
         seed: int = 0,
@@ -60,6 +61,18 @@ class HalfWeights:
         self._rounders: dict[int, RoundedUpdates] = {}  # in attach order
         self._rng_states: list[Any] = []  # loaded before the optimizers exist
         self._module: weakref.ref[nn.Module] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A spawned process gets a pickled copy: a weak reference does not pickle, the model does (it
+        # travels in the same pickle as a rule, so the copy knows its copy of the model as converted).
+        state = dict(self.__dict__)
+        state["_module"] = None if self._module is None else self._module()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        module = state.pop("_module")
+        self.__dict__.update(state)
+        self._module = None if module is None else weakref.ref(module)
 
     def convert(
         self, module: nn.Module, dtype: torch.dtype, extra_fp32: Sequence[type[nn.Module]] = ()

@@ -3,10 +3,12 @@
 :class:`DynamicScale` owns the scale tensor and its trackers and applies, once per
 iteration, torch's growth/backoff rule (``torch._amp_update_scale_``, bit for bit), Apex's
 hysteresis (back off only at the h-th overflowing step in a row), the ``min_scale`` /
-``max_scale`` bounds, and a floor at the smallest normal fp32. Nothing here reads a value
-back to the host, except the floor check once every 100 updates and where a caller asks
-for a number. :class:`~amp_plugin.LossScaler` drives it; the per-optimizer protocol
-(unscale, skip, clip) lives there.
+``max_scale`` bounds, and a floor at the smallest normal fp32. It also counts the skipped
+iterations: on the host where the caller read the skip flag already, else by keeping the
+flag and reading all kept flags at once later. Nothing here reads a value back to the host,
+except once every 100 updates (the floor and the kept flags) and where a caller asks for a
+number. :class:`~amp_plugin.LossScaler` drives it; the per-optimizer protocol (unscale, skip,
+clip) lives there.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from amp_plugin._validation import check_bool
 __all__ = ["STREAK_WARNING_AT", "DynamicScale", "ScaleFloorWarning", "SkipStreakWarning"]
 
 _FLOOR_CHECK_EVERY = 100  # updates between the host reads that look for a scale stuck at its floor
-_TRACKERS = ("growth_tracker", "hysteresis_tracker", "skipped", "last_inf", "floor_step")
+_TRACKERS = ("growth_tracker", "hysteresis_tracker", "floor_step")
 
 
 class ScaleFloorWarning(RuntimeWarning):
@@ -104,18 +106,19 @@ class DynamicScale:
         self.growth_interval, self.hysteresis = int(growth_interval), int(hysteresis)
         self.min_scale, self.max_scale = min_scale, max_scale
         self.total_steps = 0
-        self._start = (0, self.hysteresis, 0)  # growth, hysteresis, skipped: taken by ensure()
+        self._start = (0, self.hysteresis)  # growth and hysteresis trackers: taken by ensure()
         self.scale: Tensor | None = None
-        self.growth_tracker = self.hysteresis_tracker = self.skipped = torch.zeros(())
-        self.last_inf = self.floor_step = torch.zeros(())
+        self.growth_tracker = self.hysteresis_tracker = self.floor_step = torch.zeros(())
         self._floor_reported = False
         self.report = True  # warn about a scale at its floor and long skip runs (unless a monitor does)
-        self._streak = self._longest = 0  # skipped iterations in a row (host-read flags), the longest run
-        self._streak_on_device: Tensor | None = None  # the same, where flags were not read (fused steps)
-        self._longest_on_device: Tensor | None = None
+        # What the host knows of the closed iterations: skipped ones, the skip of the last one, the
+        # current run of skips and the longest. Flags not read yet wait in _pending, in order, until
+        # one read takes them all (every 100 updates, or when a number is asked for).
+        self.skipped_seen = 0
+        self._last = False
+        self._streak = self._longest = 0
+        self._pending: list[Tensor | bool] = []
         self._streak_reported = False
-        # skipped_steps as last known on the host; exact while every update's flag was read on the host.
-        self.skipped_seen, self._seen_exact = 0, True
 
     @property
     def floor(self) -> float:
@@ -126,12 +129,10 @@ class DynamicScale:
         """The scale tensor, created on ``device`` (with its trackers) on first use."""
         if self.scale is not None:
             return self.scale
-        growth, hyst, skipped = self._start
+        growth, hyst = self._start
         self.scale = torch.full((), self.init_scale, dtype=torch.float32, device=device)
         self.growth_tracker = torch.full((), growth, dtype=torch.int32, device=device)
         self.hysteresis_tracker = torch.full((), hyst, dtype=torch.int32, device=device)
-        self.skipped = torch.full((), skipped, dtype=torch.int64, device=device)
-        self.last_inf = torch.zeros((), dtype=torch.bool, device=device)
         self.floor_step = torch.full((), -1, dtype=torch.int64, device=device)
         return self.scale
 
@@ -139,50 +140,55 @@ class DynamicScale:
         """Close an iteration whose combined inf flag is ``found_inf`` (> 0: its steps were skipped).
 
         ``skipped``: the same flag where the caller has already read it on the host (no read here).
+        Besides the scale's own rule (dynamic scales only) this launches nothing: the flag is kept
+        (not copied; the caller does not change it afterwards) and counted when it is next read.
         """
         scale = self._require()
-        # A step known clean on the host needs neither the floor bookkeeping (a clean step never
-        # lowers the scale, and every update leaves it at or above the floor) nor the skip count.
-        clean = skipped is False
         if self.dynamic:
-            self._move(scale, found_inf, track_floor=not clean)
-        if clean:
-            self.last_inf.zero_()
-        else:
-            torch.gt(found_inf, 0, out=self.last_inf)  # one op where copy_(found_inf > 0) takes two
-            self.skipped += self.last_inf
+            # A step known clean on the host needs no floor bookkeeping: a clean step never lowers
+            # the scale, and every update leaves it at or above the floor.
+            self._move(scale, found_inf, track_floor=skipped is not False)
         self.total_steps += 1
-        self._count_streak(skipped)
-        if skipped is None:
-            self._seen_exact = False  # skipped_seen lags until the next read
-        elif self._seen_exact:
-            self.skipped_seen += skipped  # counted on the host: no read needed
+        if skipped is None or self._pending:  # behind an unread flag, a known one waits its turn
+            self._pending.append(found_inf if skipped is None else skipped)
+        else:
+            self._count(skipped)
         if self.total_steps % _FLOOR_CHECK_EVERY == 0:
             self.report_floor()
-            self._report_streak()
-            if not self._seen_exact:
-                self.skipped_steps()  # refresh skipped_seen: one read per 100 updates, fused steps only
+            self._report_streak()  # one read of the waiting flags, every 100 updates
 
-    def _count_streak(self, skipped: bool | None) -> None:
-        """Skipped iterations in a row: on the host where the flag was read, else on the device."""
-        if skipped is not None:
-            self._streak = self._streak + 1 if skipped else 0
-            self._longest = max(self._longest, self._streak)
-            if self._streak == STREAK_WARNING_AT:
-                self._report_streak()
-            return
-        streak, longest = self._streak_on_device, self._longest_on_device
-        if streak is None or longest is None:
-            device = self.last_inf.device
-            streak = self._streak_on_device = torch.full((), self._streak, dtype=torch.int64, device=device)
-            longest = self._longest_on_device = torch.full_like(streak, self._longest)
-        streak.add_(1).mul_(self.last_inf)
-        torch.maximum(longest, streak, out=longest)
+    def _count(self, skipped: bool) -> None:
+        """Count one closed iteration on the host, in order."""
+        self._last = skipped
+        self.skipped_seen += skipped
+        self._streak = self._streak + 1 if skipped else 0
+        self._longest = max(self._longest, self._streak)
+        if self._streak == STREAK_WARNING_AT:
+            self._report_streak()
+
+    def _read(self, *extra: Tensor) -> list[int]:
+        """Count the waiting flags (one host read, shared with ``extra``); return ``extra``'s values."""
+        pending, self._pending = self._pending, []
+        flags = [flag for flag in pending if isinstance(flag, Tensor)]
+        values: list[float] = []
+        if flags or extra:
+            device = self._require().device
+            # One dtype per stack (int32 trackers, fp32 flags); fp64 holds every one of them exactly.
+            parts = [
+                torch.stack([t.reshape(()).to(device, _stack_dtype(t)) for t in group]).double()
+                for group in (extra, flags)
+                if group
+            ]
+            values = torch.cat(parts).tolist()
+        read = iter(values[len(extra) :])
+        for flag in pending:
+            self._count(flag if isinstance(flag, bool) else next(read) > 0)
+        return [int(value) for value in values[: len(extra)]]
 
     def _report_streak(self) -> None:
         """Warn once (:class:`SkipStreakWarning`) about a long run of skipped iterations."""
-        if self._longest_on_device is not None:  # one read, every 100 updates, only with fused steps
-            self._longest = max(self._longest, int(self._longest_on_device.item()))
+        if self._pending:
+            self._read()
         if self._streak_reported or self._longest < STREAK_WARNING_AT or not self.report:
             return
         self._streak_reported = True
@@ -213,27 +219,22 @@ class DynamicScale:
 
     def skipped_steps(self) -> int:
         """Iterations closed with an inf/NaN flag (one host read, unless every flag was read already)."""
-        if self.scale is None:
-            return self._start[2]
-        if not self._seen_exact:
-            self._seen(int(self.skipped.item()))
+        if self._pending:
+            self._read()
         return self.skipped_seen
 
-    def _seen(self, skipped: int) -> None:
-        self.skipped_seen, self._seen_exact = skipped, True
-
     def last_skipped(self) -> bool:
-        """Whether the last closed iteration was skipped."""
-        return self.scale is not None and bool(self.last_inf.item())
+        """Whether the last closed iteration was skipped (one host read, unless its flag was read)."""
+        if self._pending:
+            self._read()
+        return self._last
 
     def trackers(self) -> tuple[int, int, int]:
         """``(growth tracker, hysteresis tracker, skipped steps)`` as Python ints (one host read)."""
         if self.scale is None:
-            return self._start
-        values = torch.stack([self.growth_tracker.long(), self.hysteresis_tracker.long(), self.skipped])
-        growth, hyst, skipped = values.tolist()
-        self._seen(skipped)
-        return growth, hyst, skipped
+            return (*self._start, self.skipped_seen)
+        growth, hyst = self._read(self.growth_tracker, self.hysteresis_tracker)
+        return growth, hyst, self.skipped_seen
 
     def state_dict(self) -> dict[str, Any]:
         """torch's five keys plus hysteresis, bounds, static mode and the step counts."""
@@ -263,8 +264,8 @@ class DynamicScale:
         self.dynamic = bool(sd.get("dynamic", self.dynamic))
         self.total_steps = int(sd.get("total_steps", 0))
         hyst = int(sd.get("_hysteresis_tracker", self.hysteresis))
-        self._start = (int(sd["_growth_tracker"]), hyst, int(sd.get("skipped_steps", 0)))
-        self._seen(self._start[2])
+        self._start = (int(sd["_growth_tracker"]), hyst)
+        self.skipped_seen, self._last, self._pending = int(sd.get("skipped_steps", 0)), False, []
         self._floor_reported = False
         if self.scale is not None:
             device, self.scale = self.scale.device, None
@@ -272,7 +273,7 @@ class DynamicScale:
 
     def report_floor(self) -> None:
         """Warn once (:class:`ScaleFloorWarning`) if the scale has backed off to its floor."""
-        if self._floor_reported or self.scale is None:
+        if self._floor_reported or self.scale is None or not self.dynamic:
             return
         step = int(self.floor_step.item())
         if step < 0:
@@ -291,12 +292,14 @@ class DynamicScale:
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        start, init_scale = self._start, self.init_scale
         if self.scale is not None:  # numbers only: spawn would send tensors through shared-memory fds
-            state["init_scale"], state["_start"], state["scale"] = self.value(), self.trackers(), None
+            growth, hyst, _ = self.trackers()  # counts the waiting flags too
+            start, init_scale = (growth, hyst), self.value()
+        state = self.__dict__.copy()
+        state.update(init_scale=init_scale, _start=start, scale=None, _pending=[])
         for name in _TRACKERS:
             state[name] = None
-        state["_streak_on_device"] = state["_longest_on_device"] = None  # the host counts go on from here
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -333,3 +336,7 @@ class DynamicScale:
             self.floor_step.masked_fill_((scale < self.floor) & (self.floor_step < 0), self.total_steps)
         if track_floor or self.max_scale is not None:  # a clean step only grows the scale: no floor
             scale.clamp_(self.floor, self.max_scale)
+
+
+def _stack_dtype(t: Tensor) -> torch.dtype:
+    return torch.float32 if t.is_floating_point() else t.dtype

@@ -34,7 +34,7 @@ from amp_plugin.optim import (
     unwrap_optimizer,
 )
 from amp_plugin.scale_policy import DynamicScale
-from amp_plugin.sharding import ShardAwareKernels, has_dtensor
+from amp_plugin.sharding import ShardAwareKernels, has_dtensor, local_shards
 
 __all__ = ["LossScaler"]
 
@@ -223,6 +223,7 @@ class LossScaler:
         self._enabled = enabled
         self._policy = policy
         self._kernels: ShardAwareKernels | None = None
+        self._one: Tensor | None = None  # the factor of the read-only inf check, made once
         self._iteration = Iteration()
         self._guard_only = _guard_only(policy)
         self._last_skipped: bool | None = None  # last_step_skipped, where update() knew it on the host
@@ -300,13 +301,12 @@ class LossScaler:
     def _scale_tensor(self, loss: Tensor) -> Tensor:
         scale = self._policy.ensure(loss.device)
         self._iteration.scaled = True
-        if loss.dtype in (torch.float16, torch.bfloat16) and not self._guard_only:
-            loss = loss.float()  # a guard scales nothing: the loss keeps its dtype
+        if self._guard_only:  # a scale of 1 scales nothing: the loss keeps its dtype and values
+            return _ScaledLoss.apply(loss, None) if loss.requires_grad else loss
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()
         factor = scale.to(device=loss.device, dtype=loss.dtype, non_blocking=True)
-        # scale + 0 * loss: the scale itself for a finite loss (bit for bit); NaN for a non-finite one,
-        # so that its gradients are non-finite too and the step is skipped (a NaN loss can have finite
-        # gradients).
-        return loss * torch.add(factor, loss.detach(), alpha=0)
+        return _ScaledLoss.apply(loss, factor) if loss.requires_grad else loss * factor
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.
@@ -331,7 +331,7 @@ class LossScaler:
             )
         scale = self._require_scale("unscale_")
         if self._guard_only:  # a scale of 1: the gradients are read, never written
-            state.found_inf = clipping.nonfinite(self._backend(), gradients_to_unscale(opt))
+            state.found_inf = self._nonfinite(gradients_to_unscale(opt))
         else:
             inv_scale = scale.double().reciprocal().float()
             state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
@@ -525,7 +525,8 @@ class LossScaler:
         ready = state.stage is Stage.READY
         carried = self._carried_factor(opt) if ready else state.grad_scale
         # Fold only while the gradients still carry a factor: once unscaled in memory, the
-        # in-place multiply is torch's own recipe, bit for bit.
+        # in-place multiply is torch's own recipe (bit for bit, but where torch rounds the factor:
+        # kernels.base).
         fold = carried is not None and _fused(opt)
         result = clipping.clip_grad_norm_(
             kernels,
@@ -607,7 +608,7 @@ class LossScaler:
             raise RuntimeError(
                 "recheck_() was called after step() on this optimizer. HINT: recheck before step()."
             )
-        state.merge_inf(clipping.nonfinite(self._backend(), gradients_to_unscale(opt)), agreed=False)
+        state.merge_inf(self._nonfinite(gradients_to_unscale(opt)), agreed=False)
 
     # -- what happened this iteration ------------------------------------------------------
 
@@ -636,7 +637,7 @@ class LossScaler:
         Exact while every step read its inf flag (non-fused optimizers); with fused ones it lags
         until the next read (of ``skipped_steps``, or the check every 100 updates).
         """
-        return self._policy.skipped_seen if self._policy.scale is not None else self._policy._start[2]
+        return self._policy.skipped_seen
 
     @property
     def last_step_skipped(self) -> bool:
@@ -703,7 +704,7 @@ class LossScaler:
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled:
             self._require_between_iterations("pickling", "pickle (or deepcopy) the scaler after update().")
-        return {**self.__dict__, "_kernels": None}
+        return {**self.__dict__, "_kernels": None, "_one": None}
 
     def step_skipped(self, optimizer: Any) -> bool | Tensor | None:
         """Whether ``optimizer``'s step in this iteration was skipped, as known without a new host read.
@@ -725,6 +726,13 @@ class LossScaler:
             kernels = get_kernels(self._kernels_name, None if scale is None else scale.device)
             self._kernels = ShardAwareKernels(kernels)  # DTensor gradients: local shards, global norms
         return self._kernels
+
+    def _nonfinite(self, grads: list[Tensor]) -> Tensor:
+        """This rank's inf flag of ``grads`` (one read, three launches), next to the scale."""
+        scale = self._require_scale("the inf check")
+        if self._one is None or self._one.device != scale.device:
+            self._one = torch.ones((), dtype=torch.float32, device=scale.device)
+        return clipping.nonfinite(local_shards(grads), self._one)
 
     def _require_scale(self, call: str) -> Tensor:
         if self._policy.scale is None:
@@ -758,7 +766,7 @@ class LossScaler:
                 state.stage = Stage.STEPPED
         if state.stage is Stage.READY:
             # The optimizer divides by the scale itself; it only needs the inf flag (one read-only pass).
-            state.found_inf = clipping.nonfinite(self._backend(), clipping.gradients(opt.param_groups))
+            state.found_inf = self._nonfinite(clipping.gradients(opt.param_groups))
             grad_scale: Tensor | None = self._carried_factor(opt)
         else:  # unscaled: a folded clip factor, or the user's own preset (kept, as torch keeps it)
             grad_scale = (
@@ -780,6 +788,30 @@ class LossScaler:
     def _forget(self, optimizer: Any) -> None:
         """Drop this iteration's state of ``optimizer``: its gradients will not be stepped."""
         self._iteration.forget(id(unwrap_optimizer(optimizer)))
+
+
+class _ScaledLoss(torch.autograd.Function):
+    """``loss * factor`` (a view of ``loss`` for ``factor=None``), whose backward is NaN for an inf/NaN loss.
+
+    A non-finite loss can have finite gradients (a NaN from a term no parameter is in), and its
+    step must be skipped all the same. So backward sends on ``grad * (factor + 0 * loss)`` (for a
+    guard ``grad + 0 * loss``): for a finite loss ``grad * factor`` bit for bit, as torch's
+    GradScaler has it, and NaN otherwise, which the step's inf check then finds. One launch
+    forward and two backward (none and one for a guard), where the product
+    ``loss * (factor + 0 * loss)`` took three and one. Differentiable again (``create_graph``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, factor: Tensor | None) -> Tensor:
+        ctx.save_for_backward(loss, factor)
+        return loss.view_as(loss) if factor is None else loss * factor
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        loss, factor = ctx.saved_tensors
+        if factor is None:
+            return torch.add(grad, loss, alpha=0), None
+        return grad * torch.add(factor, loss, alpha=0), None
 
 
 def _fused(opt: Any) -> bool:

@@ -179,9 +179,21 @@ class StepDriver:
         return bool(self.last_skip)  # a device flag is read here, on request only
 
     def step_skipped(self, optimizer: Any) -> bool:
-        """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
-        flag = self._skips.get(id(unwrap_optimizer(optimizer)))
-        return flag is not None and bool(flag)
+        """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first.
+
+        A fused step's device flag is read here once (a host read) and kept as a bool from then on.
+        """
+        key = id(unwrap_optimizer(optimizer))
+        flag = self._skips.get(key, False)
+        if isinstance(flag, bool):
+            return flag
+        value = bool(flag)
+        self._skips[key] = value
+        if self._last is flag:
+            self._last = value
+        if self._batch is flag:
+            self._batch = value
+        return value
 
     def known_skip(self, optimizer: Any) -> bool | None:
         """:meth:`step_skipped` where it is known without a host read; ``None`` for a fused step's flag."""
@@ -210,13 +222,12 @@ class StepDriver:
         flags, self._in_batch = self._in_batch, []
         if len(flags) == 1:  # automatic optimization: the batch's one step
             self._batch = flags[0]
-        elif all(isinstance(f, bool) for f in flags):
-            self._batch = any(flags)
-        else:  # one device op per batch; nothing is read
-            device = next(f.device for f in flags if isinstance(f, Tensor))
-            self._batch = torch.stack(
-                [torch.as_tensor(f, dtype=torch.float32, device=device) for f in flags]
-            ).amax()
+        elif any(f is True for f in flags) or all(isinstance(f, bool) for f in flags):
+            self._batch = any(f is True for f in flags)  # known on the host: nothing to launch
+        else:  # the device flags only (a host False adds nothing, and would be a host-to-device copy)
+            device_flags = [f for f in flags if isinstance(f, Tensor)]
+            device = device_flags[0].device
+            self._batch = torch.stack([f.to(device, torch.float32) for f in device_flags]).amax()
         self._last = None  # from here on last_step_skipped describes the whole batch
 
     def _arm(self, scaler: LossScaler, opt: Any) -> str:

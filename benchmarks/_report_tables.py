@@ -1,7 +1,10 @@
 """The headline numbers of each benchmark's JSON, as Markdown tables and one bar chart each.
 
 ``report.py`` calls ``summarize(name, payload)``; a benchmark without an entry in
-``SUMMARIES`` still gets a table of the plain numbers in its JSON (``_generic``).
+``SUMMARIES`` still gets a table of the plain numbers in its JSON (``_generic``). Every table
+carries a note that says what each of its numbers is: a median of what, and for a ratio, whether
+it is the ratio of the medians beside it or the median of per-round (paired) ratios, which need
+not equal the ratio of the medians when the machine's load moved between rounds.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from typing import Any
 
 @dataclass
 class Table:
+    """A Markdown table and the note under it that says what each number is."""
+
     headers: list[str]
     rows: list[list[str]]
+    note: str = ""
 
 
 @dataclass
@@ -40,7 +46,8 @@ def markdown(table: Table) -> str:
     def row(cells: Sequence[str]) -> str:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
-    return "\n".join([row(table.headers), row(["---"] * len(table.headers)), *map(row, table.rows)])
+    lines = [row(table.headers), row(["---"] * len(table.headers)), *map(row, table.rows)]
+    return "\n".join(lines) + (f"\n\n{table.note}" if table.note else "")
 
 
 def _x(value: float, digits: int = 3) -> str:
@@ -51,27 +58,41 @@ def _passed(flag: object) -> str:
     return "met" if flag else "**missed**"
 
 
+_PAIRED = (
+    "median of the per-round ratios (each round times every case once, interleaved): it follows "
+    "from pairs of runs, not from the medians beside it, and differs from their ratio when the "
+    "machine's load moved between rounds"
+)
+
+
 def _step_overhead(p: dict[str, Any]) -> Summary:
     rows = [
-        [r["path"], r["passes"], f"{r['ms_median']:.2f}", f"{r['ratio_vs_baseline']:.3f}"]
+        [r["path"], str(r["passes"]), f"{r['ms_median']:.2f}", f"{r['ratio_vs_baseline']:.3f}"]
         for r in p["results"]
     ]
     targets = [
         [t["name"], f"{t['value']:.3f}", f"<= {t['limit']}", _passed(t["passed"])] for t in p["targets"]
     ]
-    vs_a = [r for r in p["results"] if r["baseline"] == "a" and r["key"] != "a"]
+    clips = [r for r in p["results"] if r["baseline"] == "floor_copy" and r["key"] != "floor_copy"]
     bars = Bars(
-        "unscale + clip vs GradScaler (a)",
-        "time / (a)",
-        [r["path"] for r in vs_a],
-        [r["ratio_vs_baseline"] for r in vs_a],
-        0.55,
-        "target (b)/(a) 0.55",
+        "unscale + clip vs one read+write copy of the gradients",
+        "time / copy",
+        [r["path"] for r in clips],
+        [r["ratio_vs_baseline"] for r in clips],
+        1.6,
+        "GPU target (b) 1.6x the copy",
     )
+    note = (
+        "passes: reads and writes of the whole gradient set the path makes (its design, not "
+        "measured); ms: median of the timed repeats, all paths interleaved; vs baseline: this "
+        "path's ms / its baseline's ms ((a) for the unscale + clip rows, GradScaler's full step for "
+        "the others): the ratio of the medians in this table."
+    )
+    target_note = "value: the ratio of medians the target names; status: met when value <= limit."
     return Summary(
         [
-            Table(["path", "passes", "ms (median)", "vs baseline"], rows),
-            Table(["target", "value", "limit", "status"], targets),
+            Table(["path", "passes", "ms (median)", "vs baseline"], rows, note),
+            Table(["target", "value", "limit", "status"], targets, target_note),
         ],
         bars,
     )
@@ -111,10 +132,26 @@ def _training_speed(p: dict[str, Any]) -> Summary:
         0.98,
         "target 0.98 (tiny models: 1.00)",
     )
+    note = (
+        "samples/s: median over rounds of each run's batch size / median step time; vs fp32 (paired): "
+        f"{_PAIRED}; host reads/step: `.item()`-like reads of a device value per training step "
+        "(each waits for a GPU), median of a separate untimed run."
+    )
+    target_note = (
+        f"ratio: {_PAIRED}; threshold: the target; host reads/step: as above, ours vs the baseline's."
+    )
     return Summary(
         [
-            Table(["model", "optimizer", "set-up", "samples/s", "vs fp32", "host reads/step"], rows),
-            Table(["target", "ratio", "threshold", "status", "host reads/step (ours vs baseline)"], targets),
+            Table(
+                ["model", "optimizer", "set-up", "samples/s (median)", "vs fp32 (paired)", "host reads/step"],
+                rows,
+                note,
+            ),
+            Table(
+                ["target", "ratio (paired)", "threshold", "status", "host reads/step (ours vs baseline)"],
+                targets,
+                target_note,
+            ),
         ],
         bars,
     )
@@ -125,7 +162,7 @@ def _monitor_overhead(p: dict[str, Any]) -> Summary:
     rows = [
         [
             n,
-            f"{p['steps_per_s'][n]:.1f}",
+            f"{p['steps_per_s'][n]:.2f}",
             _x(p["slowdown_vs_no_monitor"][n]),
             f"{p['hook_us_per_step'][n]:.0f}",
         ]
@@ -140,7 +177,12 @@ def _monitor_overhead(p: dict[str, Any]) -> Summary:
         target,
         f"target {target}",
     )
-    return Summary([Table(["configuration", "steps/s", "slowdown", "hook us/step"], rows)], bars)
+    note = (
+        "steps/s: 1 / the median step time over every timed step of every fit of that configuration "
+        "(fits interleaved); slowdown: no monitor's steps/s / this one's (the ratio of the steps/s "
+        "beside it); hook us/step: median over fits of the time spent in the monitor's hooks per step."
+    )
+    return Summary([Table(["configuration", "steps/s", "slowdown", "hook us/step"], rows, note)], bars)
 
 
 def _flag_floor(p: dict[str, Any], base_ms: float) -> list[str]:
@@ -153,12 +195,12 @@ def _flag_floor(p: dict[str, Any], base_ms: float) -> list[str]:
 
 def _ddp_overhead(p: dict[str, Any]) -> Summary:
     low, high = p["ratio_quartiles"]
-    rows = [[n, f"{ms:.2f}"] for n, ms in p["ms_per_step"].items()]
     base = p["ms_per_step"]["sync off"]
+    rows = [[n, f"{ms:.2f}", _x(ms / base)] for n, ms in p["ms_per_step"].items()]
     ratio = f"{_x(p['ratio_on_vs_off'])} (quartiles {low:.3f}..{high:.3f})"
     facts = [
         ["parameters", f"{p['params']:,}"],
-        ["sync on / sync off (paired median)", ratio],
+        ["sync on / sync off, median of per-round ratios", ratio],
         _flag_floor(p, base),
     ]
     bars = Bars(
@@ -169,21 +211,37 @@ def _ddp_overhead(p: dict[str, Any]) -> Summary:
         1.03,
         "target 1.03",
     )
-    return Summary([Table(["mode", "ms/step"], rows), Table(["quantity", "value"], facts)], bars)
+    note = (
+        "ms/step: median over rounds of the slowest rank's time for the round's steps, per step; "
+        "vs sync off: the ratio of these medians."
+    )
+    facts_note = (
+        f"sync on / sync off: {_PAIRED} (the target, 1.03, applies to it); the floor: one all-reduce "
+        "of the inf flag timed alone, against the sync-off ms/step above."
+    )
+    return Summary(
+        [
+            Table(["mode", "ms/step (median)", "vs sync off (ratio of medians)"], rows, note),
+            Table(["quantity", "value"], facts, facts_note),
+        ],
+        bars,
+    )
 
 
 def _fsdp_overhead(p: dict[str, Any]) -> Summary:
     names = list(p["ms_per_step"])
+    base = p["ms_per_step"][names[0]]
     rows = [
         [
             n,
             f"{p['ms_per_step'][n]:.2f}",
+            _x(p["ms_per_step"][n] / base),
             _x(p["ratio_vs_sync_off"][n]),
             f"{p['scaler_all_reduces_per_step'][n]:.0f}",
         ]
         for n in names
     ]
-    facts = [["parameters", f"{p['params']:,}"], _flag_floor(p, p["ms_per_step"][names[0]])]
+    facts = [["parameters", f"{p['params']:,}"], _flag_floor(p, base)]
     bars = Bars(
         "sync_found_inf under FSDP2",
         "time per step / sync off",
@@ -192,8 +250,20 @@ def _fsdp_overhead(p: dict[str, Any]) -> Summary:
         1.03,
         "target 1.03 (sync on)",
     )
-    table = Table(["scaler", "ms/step", "vs sync off (paired)", "scaler all_reduce/step"], rows)
-    return Summary([table, Table(["quantity", "value"], facts)], bars)
+    headers = [
+        "scaler",
+        "ms/step (median)",
+        "ratio of medians",
+        "vs sync off (paired)",
+        "scaler all_reduce/step",
+    ]
+    note = (
+        f"ms/step: median over rounds, per step; ratio of medians: this ms/step / sync off's; vs sync off "
+        f"(paired): {_PAIRED} (the target, 1.03, applies to it); scaler all_reduce/step: collectives the "
+        "scaler itself issued per step, counted."
+    )
+    facts_note = "the floor: one all-reduce of the inf flag timed alone, against the sync-off ms/step above."
+    return Summary([Table(headers, rows, note), Table(["quantity", "value"], facts, facts_note)], bars)
 
 
 def _memory(p: dict[str, Any]) -> Summary:
@@ -210,10 +280,17 @@ def _memory(p: dict[str, Any]) -> Summary:
         8.5,
         "target 8.5 (bf16 stochastic)",
     )
+    note = (
+        "bytes/param: storage of every tensor that outlives a step (weights, gradients, optimizer "
+        "state, masters, buffers), counted once, / parameters; peak MiB: peak resident memory of a "
+        "fresh process above its size before the model was built; steps/s: 1 / the median step time, "
+        "configurations interleaved."
+    )
+    target_note = "value: computed from the table above (O2 / O1 steps/s is the ratio of those two steps/s)."
     return Summary(
         [
-            Table(["configuration", "bytes/param", "peak MiB", "steps/s"], rows),
-            Table(["name", "value", "target", "status"], targets),
+            Table(["configuration", "bytes/param", "peak MiB", "steps/s"], rows, note),
+            Table(["name", "value", "target", "status"], targets, target_note),
         ],
         bars,
     )
@@ -230,7 +307,11 @@ def _numerics_speed(p: dict[str, Any]) -> Summary:
         1.0,
         ".to(dtype)",
     )
-    return Summary([Table(["dtype", "method", "ms / 1M elements", "vs .to(dtype)"], rows)], bars)
+    note = (
+        "ms / 1M elements: the median time of one call / its elements in millions; vs .to(dtype): "
+        "the ratio of these medians for the same dtype."
+    )
+    return Summary([Table(["dtype", "method", "ms / 1M elements", "vs .to(dtype)"], rows, note)], bars)
 
 
 def _fp32_functions(p: dict[str, Any]) -> Summary:
@@ -254,10 +335,13 @@ def _fp32_functions(p: dict[str, Any]) -> Summary:
         1.0,
         "no mode",
     )
-    return Summary(
-        [Table(["case", "ms (median)", "vs no mode", "fastest vs fastest", "extra us/torch call"], rows)],
-        bars,
+    note = (
+        "ms: median of the interleaved repeats (a step, or a batch of calls); vs no mode: this ms / "
+        "the same group's no-mode ms (ratio of medians); fastest vs fastest: the same with each case's "
+        "fastest repeat; extra us/torch call: (ms - no mode's ms) / the torch calls the mode sees."
     )
+    headers = ["case", "ms (median)", "vs no mode", "fastest vs fastest", "extra us/torch call"]
+    return Summary([Table(headers, rows, note)], bars)
 
 
 def _compile_speed(p: dict[str, Any]) -> Summary:
@@ -280,9 +364,12 @@ def _compile_speed(p: dict[str, Any]) -> Summary:
         1.0,
         "eager",
     )
-    return Summary(
-        [Table(["set-up", "eager steps/s", "compiled steps/s", "compiled/eager", "compile s"], rows)], bars
+    note = (
+        "eager / compiled steps/s: median over rounds of each fit's steps/s; compiled/eager (paired): "
+        f"{_PAIRED}; compile s: the first compiled batch's time minus the first eager batch's."
     )
+    headers = ["set-up", "eager steps/s (median)", "compiled steps/s (median)", "compiled/eager (paired)"]
+    return Summary([Table([*headers, "compile s"], rows, note)], bars)
 
 
 def _fabric_speed(p: dict[str, Any]) -> Summary:
@@ -295,20 +382,128 @@ def _fabric_speed(p: dict[str, Any]) -> Summary:
                 label,
                 f"{r['amp_steps_per_s']:.0f}",
                 f"{r['fabric_steps_per_s']:.0f}",
+                _x(r["amp_steps_per_s"] / r["fabric_steps_per_s"]),
                 _x(r["ratio"]),
                 f"{r['ratio_min']:.2f}..{r['ratio_max']:.2f}",
             ]
         )
     bars = Bars(
-        "amp_plugin.fabric.AMPPrecision vs Fabric's MixedPrecision / HalfPrecision",
+        "amp_plugin.fabric.AMPPrecision vs Fabric's MixedPrecision / HalfPrecision (paired)",
         "steps/s ratio",
         labels,
         [r["ratio"] for r in p["rows"]],
         1.0,
         "parity",
     )
-    headers = ["model, precision", "AMPPrecision steps/s", "Fabric's plugin steps/s", "ratio", "range"]
-    return Summary([Table(headers, rows)], bars)
+    headers = [
+        "model, precision", "AMPPrecision steps/s (median)", "Fabric's plugin steps/s (median)",
+        "ratio of medians", "ratio (paired)", "per-round range",
+    ]  # fmt: skip
+    note = (
+        "steps/s: median over rounds; ratio of medians: the two steps/s beside it divided; ratio "
+        f"(paired): AMPPrecision / Fabric's, {_PAIRED}; per-round range: the smallest and largest "
+        "per-round ratio. The two ratios far apart, or a wide range, mean a noisy machine: rerun."
+    )
+    return Summary([Table(headers, rows, note)], bars)
+
+
+def _fp8(p: dict[str, Any]) -> Summary:
+    """The error rows (per-layer SQNR, loss gap) and the speed rows (or why they were skipped)."""
+    tables: list[Table] = []
+    if "skipped" in p:
+        return Summary([Table(["fp8", "result"], [["skipped", p["skipped"]]], "Nothing was measured.")])
+    cpu = p.get("cpu")
+    if cpu is not None:
+        layers = [
+            [
+                layer["name"], f"{layer['in_features']}x{layer['out_features']}",
+                "yes" if layer["converted"] else "no", _db(layer["output_sqnr_db"]),
+                _db(layer["weight_grad_sqnr_db"]),
+            ]
+            for layer in cpu["layers"]
+        ]  # fmt: skip
+        layer_note = (
+            f"Per Linear layer of a width-{cpu.get('dim', '?')} transformer on a sample batch: the SQNR "
+            "(10 log10 of signal over error power, dB; 6 dB is about one bit) of its fp8 output and "
+            "weight gradient against fp32; fp8 by rule: whether the default layer rule (keep_ends, "
+            f"min_features 64 here) converts it. The report took {cpu['doctor_s']:.2f} s "
+            "(what doctor --fp8 costs)."
+        )
+        tables.append(
+            Table(
+                ["layer", "in x out", "fp8 by rule", "output SQNR dB", "weight-grad SQNR dB"],
+                layers,
+                layer_note,
+            )
+        )
+        gaps = [
+            [g["recipe"], f"{g['bf16_loss']:.4f}", f"{g['fp8_loss']:.4f}", f"{100 * g['gap']:+.2f}%"]
+            for g in cpu["loss"]
+        ]
+        gap_note = (
+            f"The same model, weights and batches trained {cpu.get('steps', '?')} AdamW steps under bf16 "
+            f"autocast and with fp8 layers; loss: mean of the last {cpu['tail']} steps; gap: "
+            "(fp8 - bf16) / bf16."
+        )
+        tables.append(Table(["recipe", "bf16 loss", "fp8 loss", "gap"], gaps, gap_note))
+    speed = p.get("speed")
+    bars = None
+    if speed is not None and "skipped" in speed:
+        tables.append(
+            Table(["speed rows", "result"], [["fp8 vs bf16", f"skipped: {speed['skipped']}"]],
+                  "No fp8 GPU here: see docs/benchmarks-gpu.md for the speed rows.")
+        )  # fmt: skip
+    elif speed is not None:
+        tables += _fp8_speed(speed)
+        ours = [(s["shape"], r) for s in speed["shapes"] for r in s["rows"] if r["case"].startswith("AMP")]
+        bars = Bars(
+            "AMPPrecision fp8 vs bf16, steps/s" + (" (smoke run)" if speed["smoke"] else ""),
+            "bf16 ms / fp8 ms",
+            [f"{shape}, {r['case'].split(' fp8 ')[1]}" for shape, r in ours],
+            [r["vs_bf16"] for _, r in ours],
+            1.15,
+            "target 1.15 (8b-blocks), 1.3 (70b-layer)",
+        )
+    return Summary(tables, bars)
+
+
+def _fp8_speed(speed: dict[str, Any]) -> list[Table]:
+    rows = []
+    for shape in speed["shapes"]:
+        for r in shape["rows"]:
+            rows.append([
+                shape["shape"], r["case"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", _x(r["vs_bf16"]),
+                _x(r["vs_torchao"]) if "vs_torchao" in r else "", f"{r['first_step_s']:.1f}",
+            ])  # fmt: skip
+    shapes = "; ".join(
+        f"{s['shape']}: {s['describe']}{'' if s['compiled'] else ' (eager)'}" for s in speed["shapes"]
+    )
+    smoke = " Smoke run: tiny sizes, the numbers mean nothing." if speed["smoke"] else ""
+    note = (
+        f"One training step (forward under bf16 autocast, backward, fused AdamW) in Fabric on "
+        f"{speed['device']}, cases interleaved. {shapes}. ms/step: median of the timed rounds; "
+        "tokens/s: tokens per step / that median; vs bf16 and vs torchao (the same recipe converted by "
+        "hand): ratios of these medians (above 1: faster); first step s: the first step, compile "
+        f"included, timed apart.{smoke}"
+    )
+    headers = ["shape", "case", "ms/step (median)", "tokens/s", "vs bf16", "vs torchao", "first step s"]
+    tables = [Table(headers, rows, note)]
+    if speed["targets"]:
+        targets = [
+            [t["target"], _x(t["value"]), f">= {t['limit']}", _passed(t["passed"])] for t in speed["targets"]
+        ]
+        tables.append(
+            Table(
+                ["target", "value", "limit", "status"],
+                targets,
+                "value: a ratio of medians from the table above.",
+            )
+        )
+    return tables
+
+
+def _db(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _generic(p: dict[str, Any]) -> Summary:
@@ -326,7 +521,8 @@ def _generic(p: dict[str, Any]) -> Summary:
 
     skip = {"environment", "config", "settings", "args", "samples_ms"}
     walk("", {k: v for k, v in p.items() if k not in skip})
-    return Summary([Table(["key", "value"], rows)])
+    note = "No summary for this benchmark yet: its JSON's numbers by key, as written (see its --help)."
+    return Summary([Table(["key", "value"], rows, note)])
 
 
 SUMMARIES: dict[str, Callable[[dict[str, Any]], Summary]] = {
@@ -340,6 +536,7 @@ SUMMARIES: dict[str, Callable[[dict[str, Any]], Summary]] = {
     "fp32_functions": _fp32_functions,
     "compile_speed": _compile_speed,
     "fabric_speed": _fabric_speed,
+    "fp8": _fp8,
 }
 
 

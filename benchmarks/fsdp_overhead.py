@@ -74,15 +74,17 @@ def _train_steps(
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     init_gloo(rank, port, WORLD)
     try:
         torch.manual_seed(0)
         model = TinyLM(args.vocab, args.d_model, args.layers, args.seq)
+        mesh = init_device_mesh("cpu", (WORLD,))  # the default mesh is CUDA's where CUDA is present
         for layer in model.encoder.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         scalers = _scalers()
         gen = torch.Generator().manual_seed(rank)

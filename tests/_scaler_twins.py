@@ -7,7 +7,6 @@ a comparison that reports the first tensor whose bits differ.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,33 +29,31 @@ POISONS = {"+inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
 WHERE = ("first", "middle", "last")
 
 
-def grad_scaler(**kwargs: Any) -> torch.amp.GradScaler:
-    """The oracle: torch's scaler on the CPU."""
-    return torch.amp.GradScaler("cpu", **kwargs)
+def grad_scaler(device: str = "cpu", **kwargs: Any) -> torch.amp.GradScaler:
+    """The oracle: torch's scaler on ``device`` (its kernels are that device's arithmetic)."""
+    return torch.amp.GradScaler(device, **kwargs)
 
 
-def loss_scaler(**kwargs: Any) -> LossScaler:
-    """``LossScaler(device="cpu", **kwargs)``.
+def loss_scaler(device: str = "cpu", **kwargs: Any) -> LossScaler:
+    """``LossScaler(device=device, **kwargs)``."""
+    return LossScaler(device=device, **kwargs)
 
-    Until LossScaler takes ``device`` (its constructor test pins that down) the argument is
-    left out, so that the scenarios still test everything else against today's scaler.
+
+def mlp(seed: int = 0, width: int = 7, device: str = "cpu") -> nn.Sequential:
+    """Three linear layers (six parameters): first = weight 0, middle = weight 1, last = bias 2.
+
+    Initialised on the CPU from ``seed`` and then moved, so every device starts from the same weights.
     """
-    if "device" in inspect.signature(LossScaler).parameters:
-        kwargs = {"device": "cpu", **kwargs}
-    return LossScaler(**kwargs)
-
-
-def mlp(seed: int = 0, width: int = 7) -> nn.Sequential:
-    """Three linear layers (six parameters): first = weight 0, middle = weight 1, last = bias 2."""
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(5, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)
-    )
+    ).to(device)
 
 
-def data(steps: int, micro: int = 1, seed: int = 1, batch: int = 4) -> Tensor:
-    """Inputs of shape (steps, micro, batch, 5), independent of the global RNG."""
-    return torch.randn(steps, micro, batch, 5, generator=torch.Generator().manual_seed(seed))
+def data(steps: int, micro: int = 1, seed: int = 1, batch: int = 4, device: str = "cpu") -> Tensor:
+    """Inputs of shape (steps, micro, batch, 5) on ``device``, independent of the global RNG."""
+    x = torch.randn(steps, micro, batch, 5, generator=torch.Generator().manual_seed(seed))
+    return x.to(device)
 
 
 def poison(params: Sequence[nn.Parameter], where: str, value: float) -> None:
@@ -165,9 +162,11 @@ def assert_same_traces(theirs: Trace, ours: Trace) -> None:
         assert same_bits(x, y), f"{x!r} != {y!r}"
 
 
-def run_twins(loop: Callable[[Scaler, str], Trace], **scaler_kwargs: Any) -> tuple[Trace, Trace]:
-    """Run ``loop(scaler, arm)`` with GradScaler and with LossScaler; assert equal traces."""
-    theirs = loop(grad_scaler(**scaler_kwargs), "torch")
-    ours = loop(loss_scaler(**scaler_kwargs), "ours")
+def run_twins(
+    loop: Callable[[Scaler, str], Trace], device: str = "cpu", **scaler_kwargs: Any
+) -> tuple[Trace, Trace]:
+    """Run ``loop(scaler, arm)`` with GradScaler and with LossScaler on ``device``; assert equal traces."""
+    theirs = loop(grad_scaler(device, **scaler_kwargs), "torch")
+    ours = loop(loss_scaler(device, **scaler_kwargs), "ours")
     assert_same_traces(theirs, ours)
     return theirs, ours

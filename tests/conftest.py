@@ -1,4 +1,8 @@
-"""Shared test set-up: the `cuda` and `apex` markers skip cleanly; every test runs isolated (`_isolated`)."""
+"""Shared test set-up: the `cuda` and `apex` markers skip cleanly; every test runs isolated (`_isolated`).
+
+The ``device`` fixture runs a test on every device this machine has: ``"cpu"``, plus ``"cuda"``
+where CUDA is available. Tests that take it build their tensors, models and oracles there.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +29,23 @@ def pytest_configure(config: pytest.Config) -> None:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker takes its share of the cores (unless OMP_NUM_THREADS says otherwise).
+
+    torch starts one intra-op thread per core in every process: 14 workers on 16 cores run 224
+    threads, and a thread waiting for its core holds up every op it is part of. The processes the
+    tests start (examples, benchmarks, ranks) inherit the share through ``OMP_NUM_THREADS``. (The
+    GPU machine's run, ``-n 14 --timeout 90`` on 16 cores, failed mostly the slowest tests: those
+    that start processes, compile, or train for many steps.)
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -35,6 +56,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_cuda)
         if "apex" in item.keywords and not (torch.cuda.is_available() and _imports.apex_available()):
             item.add_marker(no_apex)
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """``"cpu"``, and ``"cuda"`` where CUDA is available: the same assertions on each device.
+
+    An oracle computed in the test runs on the same device, so it has that device's arithmetic.
+    """
+    return str(request.param)
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from amp_plugin import LossScaler
-from amp_plugin.clipping import clip_grad_norm_, gradients
+from amp_plugin.clipping import clip_grad_norm_, gradients, nonfinite
 from amp_plugin.kernels import get_kernels
 
 SCALE = 2.0**12
@@ -169,3 +169,49 @@ def test_sparse_gradients_are_rejected() -> None:
     emb(torch.tensor([1])).sum().backward()
     with pytest.raises(TypeError, match=r"sparse.*HINT"):
         gradients([{"params": list(emb.parameters())}])
+
+
+# -- the read-only inf check of a step that clips nothing ----------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().reshape(-1).view(torch.uint8).clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+def test_nonfinite_flags_exactly_the_gradients_with_an_inf_or_nan(
+    device: str, dtype: torch.dtype, bad: float | None
+) -> None:
+    grads = [torch.randn(3, 5, device=device).to(dtype), torch.randn(7, device=device), torch.ones(0)]
+    if bad is not None:
+        grads[0][2, 1] = bad
+    before = [_bits(g) for g in grads]
+    flag = nonfinite(grads, torch.ones((), device=device))
+    assert flag.dtype == torch.float32 and flag.shape == () and flag.device.type == device
+    assert flag.item() == (0.0 if bad is None else 1.0)  # exactly 1: a fused optimizer skips on == 1
+    assert all(torch.equal(b, _bits(g)) for b, g in zip(before, grads, strict=True))  # read only
+
+
+def test_a_guarded_bf16_step_never_hands_bf16_to_torch_amp_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA torch's AMP inf check has no bf16 kernel; the guard's check gives it fp32 norms only."""
+    real = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def like_cuda(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        if any(t.dtype == torch.bfloat16 for t in tensors):
+            raise NotImplementedError("_amp_foreach_non_finite_check_cuda not implemented for 'BFloat16'")
+        real(tensors, found_inf, inv_scale)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", like_cuda)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).to(torch.bfloat16)
+    for fused, value in [(False, 1.0), (False, float("nan")), (True, 1.0), (True, float("inf"))]:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        guard = LossScaler(init_scale=1.0, dynamic=False)
+        before = [p.detach().clone() for p in model.parameters()]
+        guard.scale(model(torch.full((2, 3), value, dtype=torch.bfloat16)).sum()).backward()
+        guard.step(opt)
+        guard.update()
+        changed = not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert guard.last_step_skipped == (value != 1.0) and changed == (value == 1.0)
+        opt.zero_grad()

@@ -100,11 +100,13 @@ def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     results: dict[str, Any] = {}
+    # A CPU mesh, named: fully_shard's default mesh is on torch's accelerator, CUDA where there is one.
+    cpu = init_device_mesh("cpu", (WORLD,))
     try:
         for case in CASES:
             model = _model()
             for layer in (model[0], model[2], model):
-                fully_shard(layer)
+                fully_shard(layer, mesh=cpu)
             results[case] = {**_train(model, case, rank), "param_type": type(model[2].weight).__name__}
         results["sharded=True"] = _refused_sharded_flag(model)
         # HSDP: replicated across the 2 ranks, each shard group of one rank, so every rank holds

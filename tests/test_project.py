@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,3 +101,21 @@ def test_every_public_function_and_class_has_a_runnable_example() -> None:
     assert len(objects) > 40  # the walk found the package's public names
     missing = [f"{m}.{a}" for m, a, obj in objects if ">>>" not in (inspect.getdoc(obj) or "")]
     assert not missing, f"public names without a >>> example in their docstring: {missing}"
+
+
+def test_xdist_workers_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import conftest
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        conftest._share_the_cores()
+        assert (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]) == (4, "4")
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+        torch.set_num_threads(threads)
+        conftest._share_the_cores()
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(threads)

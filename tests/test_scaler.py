@@ -43,13 +43,13 @@ def _poison(grads: list[torch.Tensor], rng: random.Random) -> None:
         mid[mid.numel() // 2] = value
 
 
-def _run(scaler: Any, opt_factory: OptFactory, steps: int, seed: int = 0) -> dict[str, Any]:
-    """Train a two-optimizer model with 2 micro-batches per step and injected overflows."""
+def _run(scaler: Any, opt_factory: OptFactory, steps: int, device: str, seed: int = 0) -> dict[str, Any]:
+    """Train a two-optimizer model on ``device`` with 2 micro-batches per step and injected overflows."""
     torch.manual_seed(seed)
-    model = _two_part_model()
+    model = _two_part_model().to(device)
     opts = [opt_factory(model["a"].parameters()), opt_factory(model["b"].parameters())]
     rng = random.Random(seed)
-    data = torch.randn(steps, 2, 5, 6)
+    data = torch.randn(steps, 2, 5, 6).to(device)
     scales = []
     for step in range(steps):
         for micro in range(2):
@@ -78,11 +78,11 @@ def _assert_bit_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_bit_identical_to_torch_grad_scaler(name: str) -> None:
+def test_bit_identical_to_torch_grad_scaler(name: str, device: str) -> None:
     kwargs = {"init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 7}
-    ours = LossScaler(**kwargs)
-    theirs = torch.amp.GradScaler("cpu", **kwargs)
-    a, b = _run(ours, OPTIMIZERS[name], 300), _run(theirs, OPTIMIZERS[name], 300)
+    ours = LossScaler(**kwargs)  # device=None: it takes the device of the first loss
+    theirs = torch.amp.GradScaler(device, **kwargs)
+    a, b = _run(ours, OPTIMIZERS[name], 300, device), _run(theirs, OPTIMIZERS[name], 300, device)
     _assert_bit_identical(a, b)
     assert len(set(a["scales"])) > 3  # the scale both grew and backed off
     assert 20 < ours.skipped_steps < 80
@@ -160,11 +160,11 @@ def test_scale_never_grows_to_inf() -> None:
 
 def test_state_dict_round_trip_reproduces_the_trajectory() -> None:
     kwargs: dict[str, Any] = {"init_scale": 2.0**8, "growth_interval": 5, "hysteresis": 2, "min_scale": 1.0}
-    full = _run(LossScaler(**kwargs), OPTIMIZERS["adam"], 60, seed=3)
+    full = _run(LossScaler(**kwargs), OPTIMIZERS["adam"], 60, "cpu", seed=3)
 
     # Run 30 steps, save everything, and continue in fresh objects from the saved state.
     first = LossScaler(**kwargs)
-    part = _run(first, OPTIMIZERS["adam"], 60, seed=3)  # same seed → same data and poison
+    part = _run(first, OPTIMIZERS["adam"], 60, "cpu", seed=3)  # same seed → same data and poison
     assert part["scales"] == full["scales"]
     sd = first.state_dict()
     resumed = LossScaler()
@@ -354,7 +354,7 @@ def test_the_short_path_of_update_changes_nothing(settings: dict[str, Any]) -> N
         states = []
         for flag in flags:
             policy.update_(torch.tensor(flag), bool(flag) if known else None)
-            states.append((policy.state_dict(), int(policy.floor_step), bool(policy.last_inf)))
+            states.append((policy.state_dict(), int(policy.floor_step), policy.last_skipped()))
         return states
 
     assert run(known=True) == run(known=False)

@@ -1,11 +1,15 @@
 """LossScaler is a drop-in for torch.amp.GradScaler: scenario by scenario, bit for bit.
 
-Every scenario runs the same seeded loop twice, once under ``torch.amp.GradScaler("cpu")``
-(the oracle) and once under ``LossScaler(device="cpu")``, and compares the scale after
+Every scenario runs the same seeded loop twice, once under ``torch.amp.GradScaler(device)``
+(the oracle) and once under ``LossScaler(device=device)``, and compares the scale after
 every ``update()``, which optimizer steps were skipped, and every parameter and
 optimizer-state tensor after every iteration (see ``_scaler_twins``). Where LossScaler
 deliberately differs (fp16 losses are upcast) ``test_scaler.py`` asserts the documented
 difference (``test_fp16_loss_is_upcast_before_scaling``, which docs/comparison.md cites).
+
+The injected-inf, fp16-overflow, accumulation and clipping scenarios take the ``device`` fixture:
+they run on the CPU and, where CUDA is available, on CUDA, where both scalers use CUDA's kernels.
+The other scenarios test device-independent bookkeeping (state dicts, pickling, arguments) on the CPU.
 """
 
 from __future__ import annotations
@@ -60,11 +64,13 @@ def _torch_part(state: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 @pytest.mark.parametrize("value", list(POISONS))
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-def test_injected_inf_nan_skips_and_backs_off_like_torch(opt_name: str, where: str, value: str) -> None:
-    x = data(STEPS)
+def test_injected_inf_nan_skips_and_backs_off_like_torch(
+    opt_name: str, where: str, value: str, device: str
+) -> None:
+    x = data(STEPS, device=device)
 
     def loop(scaler: Scaler, arm: str) -> Trace:
-        model = mlp()
+        model = mlp(device=device)
         opt = OPTIMIZERS[opt_name](model.parameters())
         params, trace = list(model.parameters()), Trace()
         for i in range(STEPS):
@@ -77,23 +83,23 @@ def test_injected_inf_nan_skips_and_backs_off_like_torch(opt_name: str, where: s
             trace.close(scaler, [opt], [skipped])
         return trace
 
-    theirs, _ = run_twins(loop, init_scale=2.0**6, growth_interval=2)
+    theirs, _ = run_twins(loop, device, init_scale=2.0**6, growth_interval=2)
     assert [s for (s,) in theirs.skipped] == [i in POISON_AT for i in range(STEPS)]
     assert len(set(theirs.scales)) >= 3  # the scale both grew and backed off
 
 
 @pytest.mark.parametrize("opt_name", ["adam", "adamw-fused"])
-def test_overflow_of_an_fp16_autocast_backward_matches_torch(opt_name: str) -> None:
+def test_overflow_of_an_fp16_autocast_backward_matches_torch(opt_name: str, device: str) -> None:
     """No injection: a huge scale overflows the fp16 backward itself until it has backed off."""
-    x = data(16, seed=2)
+    x = data(16, seed=2, device=device)
 
     def loop(scaler: Scaler, arm: str) -> Trace:
-        model = mlp()
+        model = mlp(device=device)
         opt = OPTIMIZERS[opt_name](model.parameters())
         trace = Trace()
         for i in range(16):
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast(device, dtype=torch.float16):
                 out = model(x[i, 0] * 100)
             scaler.scale(out.float().pow(2).mean()).backward()
             skipped = step(scaler, opt)
@@ -101,7 +107,7 @@ def test_overflow_of_an_fp16_autocast_backward_matches_torch(opt_name: str) -> N
             trace.close(scaler, [opt], [skipped])
         return trace
 
-    theirs, _ = run_twins(loop, init_scale=2.0**30, backoff_factor=0.25, growth_interval=2)
+    theirs, _ = run_twins(loop, device, init_scale=2.0**30, backoff_factor=0.25, growth_interval=2)
     skips = [s for (s,) in theirs.skipped]
     assert skips[0] and 3 <= sum(skips) < len(skips)
 
@@ -110,12 +116,12 @@ def test_overflow_of_an_fp16_autocast_backward_matches_torch(opt_name: str) -> N
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-def test_gradient_accumulation_matches_torch(opt_name: str) -> None:
+def test_gradient_accumulation_matches_torch(opt_name: str, device: str) -> None:
     micro = 3
-    x = data(STEPS, micro=micro, seed=3)
+    x = data(STEPS, micro=micro, seed=3, device=device)
 
     def loop(scaler: Scaler, arm: str) -> Trace:
-        model = mlp()
+        model = mlp(device=device)
         opt = OPTIMIZERS[opt_name](model.parameters())
         params, trace = list(model.parameters()), Trace()
         for i in range(STEPS):
@@ -129,7 +135,7 @@ def test_gradient_accumulation_matches_torch(opt_name: str) -> None:
             trace.close(scaler, [opt], [skipped])
         return trace
 
-    theirs, _ = run_twins(loop, init_scale=2.0**5, growth_interval=2)
+    theirs, _ = run_twins(loop, device, init_scale=2.0**5, growth_interval=2)
     assert [s for (s,) in theirs.skipped] == [i in POISON_AT for i in range(STEPS)]
 
 
@@ -206,11 +212,13 @@ def test_gradient_penalty_matches_torch(autocast: torch.dtype | None) -> None:
 # -- 5. clipping ---------------------------------------------------------------------------
 
 
-def _clipping_loop(max_norm: float, opt_name: str, use_scaler_clip: bool) -> Callable[[Scaler, str], Trace]:
-    x = data(STEPS, seed=7)
+def _clipping_loop(
+    max_norm: float, opt_name: str, use_scaler_clip: bool, device: str
+) -> Callable[[Scaler, str], Trace]:
+    x = data(STEPS, seed=7, device=device)
 
     def loop(scaler: Scaler, arm: str) -> Trace:
-        model = mlp()
+        model = mlp(device=device)
         opt = OPTIMIZERS[opt_name](model.parameters())
         params, trace = list(model.parameters()), Trace()
         for i in range(STEPS):
@@ -233,17 +241,18 @@ def _clipping_loop(max_norm: float, opt_name: str, use_scaler_clip: bool) -> Cal
 
 
 @pytest.mark.parametrize("opt_name", ["sgd-momentum", "adam", "adamw-fused"])
-def test_unscale_then_clip_grad_norm_matches_torch_bit_for_bit(opt_name: str) -> None:
-    theirs, _ = run_twins(_clipping_loop(0.05, opt_name, False), init_scale=2.0**6, growth_interval=2)
+def test_unscale_then_clip_grad_norm_matches_torch_bit_for_bit(opt_name: str, device: str) -> None:
+    loop = _clipping_loop(0.05, opt_name, False, device)
+    theirs, _ = run_twins(loop, device, init_scale=2.0**6, growth_interval=2)
     norms = [float(n) for n, (s,) in zip(theirs.extra, theirs.skipped, strict=True) if not s]
     assert min(norms) > 0.05  # the clip was active
 
 
 @pytest.mark.parametrize("opt_name", ["sgd-momentum", "adam", "adamw-fused"])
-def test_scaler_clip_grad_norm_is_torch_recipe_up_to_rounding(opt_name: str) -> None:
+def test_scaler_clip_grad_norm_is_torch_recipe_up_to_rounding(opt_name: str, device: str) -> None:
     kwargs = {"init_scale": 2.0**6, "growth_interval": 2}
-    theirs = _clipping_loop(0.05, opt_name, True)(grad_scaler(**kwargs), "torch")
-    ours = _clipping_loop(0.05, opt_name, True)(loss_scaler(**kwargs), "ours")
+    theirs = _clipping_loop(0.05, opt_name, True, device)(grad_scaler(device, **kwargs), "torch")
+    ours = _clipping_loop(0.05, opt_name, True, device)(loss_scaler(device, **kwargs), "ours")
     assert ours.scales == theirs.scales
     assert ours.skipped == theirs.skipped
     for a, b in zip(theirs.states[-1][0], ours.states[-1][0], strict=True):

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from amp_plugin._validation import check_int, fail
+from amp_plugin.sharding import local_shards, shard_groups
 
 __all__ = ["NonFiniteGradient", "dtype_name", "nonfinite_gradients", "nonfinite_kind"]
 
@@ -60,8 +63,14 @@ def nonfinite_gradients(
 ) -> list[NonFiniteGradient]:
     """Name the parameters whose ``.grad`` holds inf or NaN, in parameter order.
 
-    Meant for a step that was skipped: it synchronises with the device (once per device,
-    plus once per offender reported).
+    Meant for a step that was skipped: it synchronises with the device twice per device (one
+    read finds the suspects, one more counts their inf and NaN values exactly).
+
+    Sharded gradients (``DTensor``, torch's ``fully_shard``) are read on this rank's shard and
+    the results summed over the ranks the gradient is split across, so every rank names the same
+    parameters with the counts of the whole gradient, whichever rank's shard went non-finite.
+    That takes two all-reduces per device and sharding, so every rank of the mesh must call it
+    (as with any collective).
 
     Args:
         named_parameters: ``model.named_parameters()`` (or the model itself).
@@ -86,19 +95,41 @@ def nonfinite_gradients(
         for n, p in pairs
         if p.grad is not None
     ]
-    found: list[NonFiniteGradient] = []
-    for i in _suspects([grad for _, grad in named]):
-        name, grad = named[i]
-        n_inf, n_nan = (int(v) for v in torch.stack([grad.isinf().sum(), grad.isnan().sum()]).tolist())
-        if n_inf + n_nan:
-            found.append(
-                NonFiniteGradient(
-                    name, nonfinite_kind(n_inf > 0, n_nan > 0), n_inf + n_nan, grad.numel(), grad.dtype
-                )
-            )
-        if len(found) == limit:
-            break
+    counts = _nonfinite_counts([grad for _, grad in named])
+    found = []
+    for i in sorted(counts)[:limit]:
+        (name, grad), (n_inf, n_nan) = named[i], counts[i]
+        kind = nonfinite_kind(n_inf > 0, n_nan > 0)
+        found.append(NonFiniteGradient(name, kind, n_inf + n_nan, grad.numel(), grad.dtype))
     return found
+
+
+def _nonfinite_counts(grads: list[Tensor]) -> dict[int, tuple[int, int]]:
+    """``{index: (inf count, nan count)}`` of the gradients that hold any, summed over their shards."""
+    layouts: dict[tuple[torch.device, tuple[Any, ...]], list[int]] = {}
+    for i, grad in enumerate(grads):  # parameter order: the same layouts, in the same order, on every rank
+        layouts.setdefault((grad.device, shard_groups(grad)), []).append(i)
+    counts: dict[int, tuple[int, int]] = {}
+    for (_, groups), indices in layouts.items():
+        local = local_shards([grads[i] for i in indices])
+        # The 1-norm is one fused pass that propagates inf and NaN. A huge finite gradient can overflow
+        # it too (and so can the sum over shards), so every suspect is confirmed by an exact count.
+        norms = _summed(torch.stack(torch._foreach_norm(local, 1, dtype=torch.float32)), groups)
+        suspects = [j for j, bad in enumerate((~torch.isfinite(norms)).tolist()) if bad]
+        if not suspects:
+            continue
+        found = torch.stack([torch.stack([local[j].isinf().sum(), local[j].isnan().sum()]) for j in suspects])
+        for j, (n_inf, n_nan) in zip(suspects, _summed(found, groups).tolist(), strict=True):
+            if n_inf or n_nan:
+                counts[indices[j]] = (int(n_inf), int(n_nan))
+    return counts
+
+
+def _summed(tensor: Tensor, groups: tuple[Any, ...]) -> Tensor:
+    """``tensor`` summed over every process group a sharded gradient is split across (in place)."""
+    for group in groups:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
 
 
 def _named_pairs(named_parameters: object) -> list[tuple[str, Tensor]]:
@@ -130,17 +161,3 @@ def _named_pairs(named_parameters: object) -> list[tuple[str, Tensor]]:
                 error=TypeError,
             )
     return pairs
-
-
-def _suspects(grads: list[Tensor]) -> list[int]:
-    by_device: dict[torch.device, list[int]] = {}
-    for i, grad in enumerate(grads):
-        by_device.setdefault(grad.device, []).append(i)
-    suspects: list[int] = []
-    for indices in by_device.values():
-        # The 1-norm is one fused pass that propagates inf and NaN (one host sync per device). A huge
-        # finite gradient can overflow it too, so the caller confirms every suspect exactly.
-        norms = torch._foreach_norm([grads[i] for i in indices], 1, dtype=torch.float32)
-        flags = (~torch.isfinite(torch.stack(norms))).tolist()
-        suspects += [i for i, bad in zip(indices, flags, strict=True) if bad]
-    return sorted(suspects)

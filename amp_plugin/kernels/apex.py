@@ -13,8 +13,10 @@ forbids that, so the factor's location decides:
 
 - factor on the host (a one-element fp32 CPU tensor, not the target of a copy still in flight):
   its value is a memory read, not a sync, and ``unscale_`` and ``mul_`` launch ``amp_C``;
-- factor on a device: they run torch's fused ops, which read the factor on the device. That costs
-  nothing: torch's op makes the same single read+write pass.
+- factor on a device: they run the torch backend, which reads the factor on the device. For fp32
+  and fp16 that costs nothing: torch's multi-tensor op makes the same single read+write pass. For
+  bf16 on CUDA it is the torch backend's bf16 route (:mod:`amp_plugin.kernels.foreach`: a max-abs
+  read for the flag, then one kernel per tensor), because ``amp_C`` cannot take a device factor.
 
 ``norm`` (``norm_type=2``) takes no factor and always runs ``multi_tensor_l2norm``. So with a
 scale kept on the GPU, ``amp_C`` serves the norm (clipping's norm, the fused clipping path) and
@@ -29,10 +31,11 @@ contiguous (``amp_C`` walks raw memory and refuses such tensors). Launches are p
 
 **Numerics against the torch backend** (the oracle):
 
-- ``multi_tensor_scale`` computes in fp32, rounds once and flags non-finite *inputs*: the same
-  bits and the same ``found_inf`` as ``torch._amp_foreach_non_finite_check_and_unscale_``, except
-  that Apex builds ``amp_C`` with ``--use_fast_math``, so fp32/bf16 subnormals (below 2**-126)
-  flush to zero.
+- ``multi_tensor_scale`` multiplies by the fp32 factor in fp32, rounds once and flags non-finite
+  *inputs*: the same bits and the same ``found_inf`` as the torch backend (bf16 included), except
+  that Apex builds ``amp_C`` with ``--use_fast_math``, so fp32 subnormal operands and products
+  (below 2**-126, which includes every bf16 subnormal) flush to a zero of the same sign. fp16
+  values are never fp32 subnormals; an fp16 product flushes only when the factor is tiny.
 - ``multi_tensor_l2norm`` accumulates squares in fp32. A non-finite input makes the result
   non-finite (partial sums are non-negative, so inf/NaN reaches the total); its flag is not used,
   because it also fires when a finite fp32/bf16 square overflows (values above about 1.8e19),

@@ -3,16 +3,21 @@
 The scaler and the clipping code need only three multi-tensor operations. A backend
 implements them for lists of dense gradient tensors that may mix devices and dtypes
 and may contain zero-numel tensors; the backend groups and filters as its launchers
-require. None of the operations synchronises the host with the device.
+require. None of the operations synchronises the host with the device, and every one
+works for every dtype below on CPU and CUDA (bf16 on CUDA included).
 
-Semantics (identical for every backend; the torch backend is the oracle in tests):
+Semantics (the same on every device; tests check each backend against fp64 math rounded the
+way this contract says, ``tests/kernels/_reference.py``):
 
 ``unscale_(tensors, inv_scale, found_inf)``
-    Multiply every tensor in place by ``inv_scale`` (an fp32 scalar tensor), with the
-    product computed in fp32 and rounded once to the tensor's dtype. If any *input*
-    element is inf or NaN, write ``1.0`` into ``found_inf`` (an fp32 scalar tensor).
+    Multiply every tensor in place by ``inv_scale`` (an fp32 scalar tensor on any device): each
+    element times the fp32 factor as it is, in fp32, and that fp32 product rounded to the tensor's
+    dtype (fp64 tensors: in fp64). If any *input* element is inf or NaN, write ``1.0`` into
+    ``found_inf`` (an fp32 scalar tensor); a finite input whose product overflows does not count.
     ``found_inf`` is never reset: the caller zeroes it. Bit-identical to
-    ``torch._amp_foreach_non_finite_check_and_unscale_``.
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` where torch has that op for the dtype.
+    On CUDA it has no bf16 kernel (pytorch issue 127176): the torch backend gives bf16 the same
+    bits there by another route (:mod:`amp_plugin.kernels.foreach`).
 
 ``norm(tensors, norm_type, exact=False)``
     The total ``norm_type``-norm of all tensors together, accumulated and returned in
@@ -24,8 +29,17 @@ Semantics (identical for every backend; the torch backend is the oracle in tests
     otherwise a backend may use any faster fp32 reduction.
 
 ``mul_(tensors, factor)``
-    Multiply every tensor in place by ``factor`` (an fp32 scalar tensor on any device),
-    in fp32 math, rounded once to the tensor's dtype.
+    Multiply every tensor in place by ``factor`` (an fp32 scalar tensor on any device), with the
+    arithmetic of ``unscale_``: the fp32 factor as it is, fp32 math, one rounding to the dtype.
+    That is not what ``torch._foreach_mul_`` (nor so ``torch.nn.utils.clip_grad_norm_``) does on
+    CUDA with a factor on the device: it casts the factor to an fp16/bf16 tensor's dtype first
+    (TensorIterator's common dtype), so a bf16 gradient times 0.1 is multiplied by 0.10009765625.
+    Power-of-two factors, among them every scale the default dynamic policy makes and its
+    inverse, are exact in both dtypes (fp16 down to 2**-24), so for them both give the same bits.
+
+One difference between backends remains: where Apex's ``amp_C`` multiplies (a factor on the host,
+:mod:`amp_plugin.kernels.apex`), it is built with ``--use_fast_math``, so fp32 subnormal operands
+and products (below 2**-126, every bf16 subnormal among them) become zero.
 """
 
 from __future__ import annotations

@@ -2,11 +2,34 @@
 
 Every launch is per ``(device, dtype)`` group, zero-numel tensors are skipped, and no
 operation reads a value back to the host.
+
+**Two CUDA rules of torch's ops** (torch 2.11 to 2.13, ``aten/src/ATen/native/cuda``) that the
+contract's "fp32 math with the fp32 factor, rounded once" has to be routed around; each is a
+class attribute, so that tests can make CPU tensors follow it (``tests/fakes/cuda_rules.py``):
+
+- :attr:`TorchKernels.unscale_op_lacks`: ``torch._amp_foreach_non_finite_check_and_unscale_`` has no
+  bf16 kernel on CUDA (pytorch issue 127176; the CPU one has). A bf16 group there takes the flag
+  from one read, a max-abs norm per tensor (``torch._foreach_norm(..., inf)``, which propagates
+  NaN) handed to the unscale op as fp32, and is then multiplied as :meth:`TorchKernels.mul_` does.
+- :attr:`TorchKernels.mul_rounds_factor_on`: ``torch._foreach_mul_(tensors, factor)`` with a 0-dim
+  fp32 factor on the tensors' CUDA device multiplies each tensor by TensorIterator (its multi-tensor
+  kernel needs the factor in the tensors' dtype), which casts the factor to an fp16/bf16 tensor's
+  dtype first: 0.1 becomes 0.10009765625 in bf16, and 2**-25 becomes 0 in fp16. (On CPU a 0-dim
+  CPU tensor is read in fp32.) Half groups there are multiplied instead by torch's unscale op,
+  which reads the fp32 factor as it is (fp16: one multi-tensor launch), or, for bf16, by
+  ``torch._foreach_mul_`` against a one-element (not 0-dim) factor, which makes fp32 the common
+  dtype: one call, in which torch launches one kernel per tensor, because torch has no
+  multi-tensor kernel that multiplies bf16 by an fp32 device factor without rounding it.
+
+Power-of-two factors (every scale the default dynamic policy makes, and its inverse) are exact in
+fp16 (down to 2**-24) and bf16, so for them either reading gives the same bits.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -16,6 +39,7 @@ from amp_plugin.kernels.base import group_by_device_and_dtype, to_device
 __all__ = ["TorchKernels"]
 
 _GroupNorm = Callable[[list[Tensor], float], Tensor]
+_HALF = frozenset({torch.float16, torch.bfloat16})
 
 
 class TorchKernels:
@@ -33,16 +57,25 @@ class TorchKernels:
     """
 
     name = "torch"
+    #: ``(device type, dtype)`` pairs that torch's AMP unscale op has no kernel for.
+    unscale_op_lacks: ClassVar[frozenset[tuple[str, torch.dtype]]] = frozenset({("cuda", torch.bfloat16)})
+    #: Device types where ``_foreach_mul_`` casts a 0-dim factor there to a half tensor's dtype first.
+    mul_rounds_factor_on: ClassVar[frozenset[str]] = frozenset({"cuda"})
 
     def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
         with torch.no_grad():
-            for (device, _), group in group_by_device_and_dtype(tensors).items():
-                if device == found_inf.device:
-                    torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale.to(device))
+            for (device, dtype), group in group_by_device_and_dtype(tensors).items():
+                factor = to_device(inv_scale, device)
+                flag = found_inf if device == found_inf.device else _zero_flag(device)
+                if (device.type, dtype) in self.unscale_op_lacks:
+                    # Flag first: it is about the inputs, and a finite input can overflow when multiplied.
+                    maxima = torch._foreach_norm(group, math.inf, dtype=torch.float32)
+                    torch._amp_foreach_non_finite_check_and_unscale_(maxima, flag, factor)
+                    self._mul_group(group, factor)
                 else:
-                    local = torch.zeros((), dtype=torch.float32, device=device)
-                    torch._amp_foreach_non_finite_check_and_unscale_(group, local, inv_scale.to(device))
-                    torch.maximum(found_inf, to_device(local, found_inf.device), out=found_inf)
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, flag, factor)
+                if flag is not found_inf:
+                    torch.maximum(found_inf, to_device(flag, found_inf.device), out=found_inf)
 
     def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor:
         return _total_norm(tensors, norm_type, _foreach_group_norm if exact else _group_norm)
@@ -50,7 +83,26 @@ class TorchKernels:
     def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
         with torch.no_grad():
             for (device, _), group in group_by_device_and_dtype(tensors).items():
-                torch._foreach_mul_(group, to_device(factor, device))
+                self._mul_group(group, to_device(factor, device))
+
+    def _mul_group(self, group: list[Tensor], factor: Tensor) -> None:
+        """``group *= factor`` in fp32 with the fp32 ``factor`` (on the group's device) as it is."""
+        device, dtype = group[0].device, group[0].dtype
+        if dtype not in _HALF or device.type not in self.mul_rounds_factor_on:
+            torch._foreach_mul_(group, factor)
+        elif (device.type, dtype) not in self.unscale_op_lacks:
+            # The unscale op as a plain multiply; its flag (never read, so never zeroed) is dropped.
+            unused = torch.empty((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, unused, factor)
+        else:
+            # A one-element factor is not a 0-dim "scalar" to type promotion: the common dtype is fp32.
+            # A 0-dim tensor cannot take a broadcast (1,) result in place, so it is viewed as (1,).
+            targets = [tensor.view(1) if tensor.dim() == 0 else tensor for tensor in group]
+            torch._foreach_mul_(targets, [factor.reshape(1)] * len(targets))
+
+
+def _zero_flag(device: torch.device) -> Tensor:
+    return torch.zeros((), dtype=torch.float32, device=device)
 
 
 _DOT_MIN_ELEMENTS = 1 << 16

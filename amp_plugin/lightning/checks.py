@@ -21,6 +21,7 @@ from amp_plugin import autocast, diagnostics, fp32_policy, master_weights
 from amp_plugin import precision as precisions
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
 from amp_plugin.diagnostics.audit import join_names
+from amp_plugin.master_weights import check_master_weights
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import check_precision
 from amp_plugin.rounded_updates import ROUNDINGS
@@ -154,7 +155,15 @@ def check_half_weights(
         ValueError: AMPPrecision(precision='bf16-true', master_weights=True) is not allowed here: ...
     """
 
-    check_bool("AMPPrecision", "master_weights", master_weights)
+    check_master_weights("AMPPrecision", master_weights)
+    if master_weights == "remainder" and precision != "bf16-mixed":
+        fail(
+            "AMPPrecision",
+            passed=f"precision={precision!r}, master_weights='remainder'",
+            why="an fp32 master is exactly a bf16 value plus 16 more bits, and no other precision's value",
+            allowed="master_weights='remainder' with precision='bf16-mixed' only",
+            hint="use precision='bf16-mixed', or master_weights=True (fp32 masters) for fp16.",
+        )
     check_choice("AMPPrecision", "rounding", rounding, ROUNDINGS, "use 'stochastic' (or 'nearest').")
     check_int("AMPPrecision", "rounding_seed", rounding_seed, low=0)
     keep = None

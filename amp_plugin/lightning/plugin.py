@@ -68,6 +68,9 @@ class AMPPrecision(MixedPrecision):
             scaled gradients); ``False`` unscales before the hooks, as Lightning does.
         master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
             optimizer step fp32 master copies (Apex's O2); checkpoints keep the fp32 values.
+            ``"remainder"`` (with ``"bf16-mixed"``) keeps the same exact fp32 masters as the bf16
+            weights plus an int16 remainder each: 2 bytes per parameter less (see
+            :mod:`amp_plugin.master_weights`).
         keep_fp32: module classes whose weights stay fp32 when the model is cast; default: the
             normalization layers with master weights, nothing with "-true" precisions.
         rounding: how updates are written into "-true" weights: ``"nearest"`` (the optimizer's
@@ -108,7 +111,7 @@ class AMPPrecision(MixedPrecision):
         fp32_modules: Sequence[type[nn.Module]] = (),
         clip_fused: Literal["auto"] | bool = "auto",
         lr_on_skip: Literal["hold", "advance"] = "hold",
-        master_weights: bool = False,
+        master_weights: bool | Literal["remainder"] = False,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
         rounding_seed: int = 0,

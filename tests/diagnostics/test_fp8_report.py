@@ -28,6 +28,14 @@ needs_torchao = pytest.mark.skipif(
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
+def _hardware_line() -> str:
+    """The report's hardware line on this machine, worked out here from what torch says of the GPU."""
+    if not torch.cuda.is_available():
+        return "fp8 hardware: no: CPU only"
+    has = torch.cuda.get_device_capability() >= (8, 9)  # Ada, Hopper and later have fp8 tensor cores
+    return f"fp8 hardware: {'yes' if has else 'no'}: {torch.cuda.get_device_name()}"
+
+
 def _emulated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     def cast(t: torch.Tensor) -> torch.Tensor:
         scale = E4M3_MAX / t.abs().max().double()
@@ -84,14 +92,14 @@ def test_report_lists_every_linear_and_changes_nothing() -> None:
     assert all(layer["output_sqnr_db"] > 15 for layer in report["layers"][:-1])
     assert float8_layer_names(model) == ()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert "fp8 hardware: no: CPU only" in doctor.format_fp8_report(report)
+    assert _hardware_line() in doctor.format_fp8_report(report)
 
 
 @needs_torchao
 def test_doctor_fp8_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--fp8", "--model", "tests._fp8_models:TinyLM"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("fp8 (recipe tensorwise)\n  fp8 hardware: no: CPU only")
+    assert out.startswith(f"fp8 (recipe tensorwise)\n  {_hardware_line()}")
     assert "smaller than min_features=1024" in out  # the default rule: TinyLM is too small to gain
     assert main(["doctor", "--fp8", "rowwise", "--json", "--model", "tests._fp8_models:TinyLM"]) == 0
     document = json.loads(capsys.readouterr().out)

@@ -6,6 +6,7 @@ each script still runs against the current package and reports in its documented
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -47,10 +48,20 @@ def test_every_benchmark_has_a_readme_section_and_takes_quick() -> None:
         assert "--quick" in SMOKE_ARGS[script]
 
 
+def _cpu_env() -> dict[str, str]:
+    """The smoke runs' environment: one OpenMP thread, and the CPU only.
+
+    The smoke sizes are CPU sizes: a script that takes CUDA where it sees it (``fp8.py``'s GPU rows,
+    a ``--device`` that defaults to ``cuda``) would otherwise compile and time GPU models here on a
+    GPU machine. Its GPU rows are measured by ``report.py --device cuda``, not by a smoke run.
+    """
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
 @pytest.mark.parametrize("script", sorted(SMOKE_ARGS))
 def test_benchmark_smoke_run(script: str, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = _cpu_env()
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *SMOKE_ARGS[script], "--json", str(out)],
         cwd=tmp_path,
@@ -67,9 +78,44 @@ def test_benchmark_smoke_run(script: str, tmp_path: Path) -> None:
     assert Path(script).stem in str(result.get("benchmark", script))
 
 
+def _takes_cuda(script: str) -> bool:
+    """The script has ``--device`` with a ``"cuda"`` choice: a GPU path a smoke run can reach."""
+    tree = ast.parse((BENCHMARKS / script).read_text())
+    return any(
+        isinstance(node, ast.Call)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value == "--device"
+        and any(k.arg == "choices" and "cuda" in ast.literal_eval(k.value) for k in node.keywords)
+        for node in ast.walk(tree)
+    )
+
+
+CUDA_SCRIPTS = sorted(script for script in SMOKE_ARGS if _takes_cuda(script))
+
+
+def test_the_scripts_with_a_device_choice_are_found() -> None:
+    assert {"step_overhead.py", "training_speed.py", "numerics_speed.py"} <= set(CUDA_SCRIPTS)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("script", CUDA_SCRIPTS)
+def test_benchmark_smoke_run_on_cuda(script: str, tmp_path: Path) -> None:
+    """The GPU path of each script that has one, in the smoke configuration, on this machine's GPU."""
+    out = tmp_path / "result.json"
+    args = [*SMOKE_ARGS[script], "--device", "cuda", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} --device cuda exited {proc.returncode}:\n{output[-3000:]}"
+    assert json.loads(out.read_text())["environment"]["device"] == "cuda"
+
+
 def test_report_quick_run(tmp_path: Path) -> None:
     scripts = ["numerics_speed.py", "fp32_functions.py"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = _cpu_env()
     proc = subprocess.run(
         [
             sys.executable,

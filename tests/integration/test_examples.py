@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # What a newcomer should not have to wade through: Lightning's hardware banner and advert, library
@@ -73,6 +74,20 @@ def test_quickstart_auto_picks_bf16_on_cpu(tmp_path: Path) -> None:
     # Not a terminal (a pipe here, a log file or CI elsewhere): plain lines, no progress-bar redraws.
     assert "\r" not in out
     assert "step 6/12: loss " in out and "step 6/12: val_acc " in out and "step 12/12: loss " in out
+
+
+@pytest.mark.cuda
+def test_quickstart_auto_picks_by_the_gpus_compute_capability(tmp_path: Path) -> None:
+    out = _run("quickstart.py", "--accelerator", "cuda", cwd=tmp_path)
+    major, minor = torch.cuda.get_device_capability()
+    expected = (
+        f"bf16-mixed  (auto: bf16: CUDA device with compute capability {major}.{minor} >= 8.0)"
+        if major >= 8
+        else f"16-mixed  (auto: fp16: CUDA device with compute capability {major}.{minor} < 8.0 (no bf16))"
+    )
+    assert _summary_value(out, "precision") == expected
+    assert _summary_value(out, "device") == f"cuda ({torch.cuda.get_device_name()})"
+    assert float(_summary_value(out, "val accuracy").split("%")[0]) > 25
 
 
 def test_quickstart_pins_its_threads_and_compares_with_fp32(tmp_path: Path) -> None:

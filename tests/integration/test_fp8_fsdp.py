@@ -73,12 +73,20 @@ def _full(model: torch.nn.Module) -> list[list[float]]:
     return [plain_tensor(p.detach()).float().flatten().tolist() for p in params]
 
 
+def _cpu_mesh() -> Any:
+    """The 2 ranks on the CPU: fully_shard's default mesh is on torch's accelerator (CUDA where present)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (WORLD,))
+
+
 def _convert_after_sharding() -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = TinyLM()
-    before = {k: v.full_tensor().clone() for k, v in fully_shard(model).state_dict().items()}
+    sharded = fully_shard(model, mesh=_cpu_mesh())
+    before = {k: v.full_tensor().clone() for k, v in sharded.state_dict().items()}
     try:
         convert(model, Float8(min_features=64))
         error = ""
@@ -92,7 +100,7 @@ def _convert_after_sharding() -> dict[str, Any]:
     torch.manual_seed(0)
     model = TinyLM()
     first = convert(model, Float8(min_features=64))
-    fully_shard(model)
+    fully_shard(model, mesh=_cpu_mesh())
     again = convert(model, Float8(min_features=64))
     return {
         "error": error,
@@ -115,10 +123,10 @@ def _worker(rank: int, store: str, out: str) -> None:
     try:
         for case, spec in CASES.items():
             try:
-                model = _model(spec)
+                model, mesh = _model(spec), _cpu_mesh()
                 for block in model.blocks:
-                    fully_shard(block)
-                fully_shard(model)
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
                 results[case] = {**_train(model, rank), "fp8_layers": len(float8_layer_names(model))}
                 state = model.state_dict()
                 results[case]["state_types"] = sorted({type(v.to_local()).__name__ for v in state.values()})

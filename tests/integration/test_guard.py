@@ -180,9 +180,10 @@ def test_guard_false_with_fp16_scaling_is_refused() -> None:
     ],
     ids=["GradScaler-cuda", "LossScaler-cuda", "LossScaler-disabled"],
 )
-def test_a_disabled_scaler_is_refused_before_training_unguarded_fp16(scaler: Any) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("the scaler is enabled where CUDA is available")
+def test_a_disabled_scaler_is_refused_before_training_unguarded_fp16(
+    scaler: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a 'cuda' scaler disables itself
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         made = scaler()
@@ -190,9 +191,8 @@ def test_a_disabled_scaler_is_refused_before_training_unguarded_fp16(scaler: Any
         AMPPrecision("16-mixed", device="cpu", scaler=made)
 
 
-def test_the_loss_scaler_warning_for_cuda_without_cuda_has_a_hint() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("needs a machine without CUDA")
+def test_the_loss_scaler_warning_for_cuda_without_cuda_has_a_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, anywhere
     with pytest.warns(UserWarning, match="HINT"):
         LossScaler("cuda")
 

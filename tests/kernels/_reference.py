@@ -11,6 +11,13 @@ matters: for a factor of 0.1, 206 of the 63488 finite fp16 values (26 bf16 ones)
 ulp from rounding the exact product straight to the dtype; for power-of-two factors and 1/3 the
 two agree on every fp16/bf16 value, and for fp32 tensors they are the same rounding.
 fp64 tensors are multiplied in fp64, as torch does.
+
+The factor is read unrounded, in fp32, on every device: that is the contract (``amp_plugin.kernels.base``),
+and what the backends do, routing around ``torch._foreach_mul_``'s rounding of a CUDA factor to a
+half tensor's dtype. ``flush=True`` models real Apex ``amp_C`` on CUDA, built with ``--use_fast_math``:
+fp32 subnormal operands and products (below 2**-126, which includes every bf16 subnormal) become a
+zero of the same sign before the result is rounded to the tensor's dtype. fp16 values are never fp32
+subnormals, so only a product can flush for them.
 """
 
 from __future__ import annotations
@@ -40,23 +47,40 @@ def round_to(values: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(torch.isfinite(values), rounded, values).to(dtype)
 
 
-def scaled(tensor: Tensor, factor: float) -> Tensor:
-    """``tensor * factor`` per the contract: fp32 math (fp64 for fp64), one rounding to the dtype."""
-    product = tensor.detach().cpu().double() * float(factor)
+def flush_subnormals(values: Tensor) -> Tensor:
+    """fp64 ``values``, each magnitude below fp32's smallest normal made a zero of the same sign."""
+    tiny = torch.finfo(FP32).tiny
+    return torch.where(values.abs() < tiny, torch.copysign(torch.zeros_like(values), values), values)
+
+
+def scaled(tensor: Tensor, factor: float, flush: bool = False) -> Tensor:
+    """``tensor * factor`` per the contract: fp32 math (fp64 for fp64), one rounding to the dtype.
+
+    ``flush``: fast-math fp32 arithmetic, as in Apex ``amp_C`` on CUDA (see the module docstring).
+    """
+    values = tensor.detach().cpu().double()
     if tensor.dtype == FP64:
-        return product
-    return round_to(round_to(product, FP32).double(), tensor.dtype)
+        return values * float(factor)
+    if flush:
+        values, factor = (
+            flush_subnormals(values),
+            float(flush_subnormals(torch.tensor(float(factor), dtype=FP64))),
+        )
+    product = round_to(values * float(factor), FP32).double()
+    return round_to(flush_subnormals(product) if flush else product, tensor.dtype)
 
 
-def reference_mul(tensors: Sequence[Tensor], factor: float) -> list[Tensor]:
+def reference_mul(tensors: Sequence[Tensor], factor: float, flush: bool = False) -> list[Tensor]:
     """What ``mul_(tensors, factor)`` leaves in ``tensors``, on the CPU."""
-    return [scaled(tensor, factor) for tensor in tensors]
+    return [scaled(tensor, factor, flush) for tensor in tensors]
 
 
-def reference_unscale(tensors: Sequence[Tensor], inv_scale: float) -> tuple[list[Tensor], float]:
+def reference_unscale(
+    tensors: Sequence[Tensor], inv_scale: float, flush: bool = False
+) -> tuple[list[Tensor], float]:
     """What ``unscale_`` leaves in ``tensors``, and ``found_inf``: 1.0 iff any input element is inf or NaN."""
     nonfinite = any(not bool(torch.isfinite(tensor.detach().cpu().double()).all()) for tensor in tensors)
-    return reference_mul(tensors, inv_scale), float(nonfinite)
+    return reference_mul(tensors, inv_scale, flush), float(nonfinite)
 
 
 def reference_norm(tensors: Sequence[Tensor], norm_type: float) -> Tensor:

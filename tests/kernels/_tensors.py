@@ -35,6 +35,12 @@ class Backend:
     kernels: Kernels
     device: torch.device  # where the gradients live
     scalar_device: torch.device  # where inv_scale / factor live
+    flush: bool = False  # fp32 subnormals flush to zero (real amp_C on CUDA, built with --use_fast_math)
+    unscale_op_has_bf16: bool = True  # torch's unscale op has a bf16 kernel there (CUDA's has none)
+
+    def has_unscale_op(self, tensor: Tensor) -> bool:
+        """Whether torch's ``_amp_foreach_non_finite_check_and_unscale_`` runs on ``tensor`` here."""
+        return tensor.dtype != BF16 or self.unscale_op_has_bf16
 
     def scalar(self, value: float) -> Tensor:
         return torch.tensor(value, dtype=FP32, device=self.scalar_device)

@@ -1,4 +1,4 @@
-"""The ``fake`` fixture: the real ``ApexKernels`` on CPU, launching a pure-torch double of ``amp_C``."""
+"""Kernel test fixtures: ``fake`` (the Apex double on CPU), ``cuda_rules`` (CUDA's op rules on CPU)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fakes import FakeApex, fake_apex
+from tests.fakes.cuda_rules import cuda_rules_on_cpu
 from tests.kernels._tensors import SMALL_CHUNK
 
 
@@ -14,3 +15,10 @@ from tests.kernels._tensors import SMALL_CHUNK
 def fake() -> Iterator[FakeApex]:
     with fake_apex(chunk_size=SMALL_CHUNK) as installed:
         yield installed
+
+
+@pytest.fixture
+def cuda_rules() -> Iterator[None]:
+    """CPU tensors meet CUDA's rules: no bf16 unscale op, a device factor rounded to a half dtype."""
+    with cuda_rules_on_cpu():
+        yield

@@ -3,9 +3,13 @@
 The oracle is ``tests/kernels/_reference.py`` (fp64 math, explicit rounding), never a backend;
 where the contract promises bit-identity with a torch op, that op is the second oracle.
 
-Backends: ``torch``; ``apex-fake`` (the real ``ApexKernels`` dispatch code on CPU, launching a
-pure-torch double of ``amp_C``); and real Apex on CUDA with the scale on the host or the device
-(skipped without a GPU and Apex).
+Backends: ``torch`` on each device (``torch-cpu``; ``torch-cuda``, skipped without a GPU; and
+``torch-cuda-rules``, the CPU made to follow CUDA's rules by ``tests/fakes/cuda_rules.py``: no bf16
+unscale op, a device factor rounded to a half tensor's dtype by ``_foreach_mul_``, so the CUDA routes
+run here); ``apex-fake`` (the real ``ApexKernels`` dispatch code on CPU, launching a pure-torch double
+of ``amp_C``); and real Apex on CUDA with the scale on the host or the device (skipped without a GPU
+and Apex). The oracles use the device's arithmetic: the reference flushes fp32 subnormals for real
+``amp_C`` (``--use_fast_math``), and torch's unscale op is called only where it has the dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import Tensor
 from amp_plugin.kernels import get_kernels
 from amp_plugin.kernels.apex import ApexKernels
 from amp_plugin.kernels.foreach import TorchKernels
-from tests.kernels._reference import reference_mul, reference_norm, reference_unscale, round_to
+from tests.kernels._reference import reference_mul, reference_norm, reference_unscale, round_to, scaled
 from tests.kernels._tensors import (
     BF16,
     CPU,
@@ -39,20 +43,34 @@ from tests.kernels._tensors import (
 
 @pytest.fixture(
     params=[
-        pytest.param("torch"),
+        pytest.param("torch-cpu"),
+        pytest.param("torch-cuda-rules"),
+        pytest.param("torch-cuda", marks=pytest.mark.cuda),
         pytest.param("apex-fake"),
         pytest.param("apex-host-scale", marks=REAL_APEX),
         pytest.param("apex-device-scale", marks=REAL_APEX),
     ]
 )
 def backend(request: pytest.FixtureRequest) -> Backend:
-    if request.param == "torch":
+    if request.param == "torch-cpu":
         return Backend(TorchKernels(), CPU, CPU)
+    if request.param == "torch-cuda-rules":
+        request.getfixturevalue("cuda_rules")
+        return Backend(TorchKernels(), CPU, CPU, unscale_op_has_bf16=False)
     if request.param == "apex-fake":
         request.getfixturevalue("fake")
         return Backend(ApexKernels(), CPU, CPU)
     cuda = torch.device("cuda", torch.cuda.current_device())
-    return Backend(get_kernels("apex", cuda), cuda, CPU if request.param == "apex-host-scale" else cuda)
+    if request.param == "torch-cuda":
+        return Backend(TorchKernels(), cuda, cuda, unscale_op_has_bf16=False)
+    host_scale = request.param == "apex-host-scale"  # only then does amp_C multiply (a host float)
+    return Backend(
+        get_kernels("apex", cuda),
+        cuda,
+        CPU if host_scale else cuda,
+        flush=host_scale,
+        unscale_op_has_bf16=False,
+    )
 
 
 # --- unscale_ ------------------------------------------------------------------------------------
@@ -65,8 +83,10 @@ def test_unscale_matches_fp64_and_is_bit_identical_to_torch(
     backend: Backend, mix: str, where: str | None, value: float | None, inv_scale: float
 ) -> None:
     grads = make_grads(MIXES[mix], backend.device, where, value)
-    expected, expected_inf = reference_unscale(grads, backend.scalar(inv_scale).item())
-    torchs, torchs_inf = clone(grads), backend.zeros()  # the op the contract names, called directly
+    expected, expected_inf = reference_unscale(grads, backend.scalar(inv_scale).item(), backend.flush)
+    # The op the contract names, called directly where the device has it for the dtype (CUDA: no bf16).
+    covered = [tensor for tensor in grads if backend.has_unscale_op(tensor)]
+    torchs, torchs_inf = clone(covered), backend.zeros()
     for tensor in torchs:
         torch._amp_foreach_non_finite_check_and_unscale_(
             [tensor], torchs_inf, backend.scalar(inv_scale).to(tensor.device)
@@ -76,8 +96,9 @@ def test_unscale_matches_fp64_and_is_bit_identical_to_torch(
     backend.kernels.unscale_(grads, backend.scalar(inv_scale), found_inf)
 
     assert_bit_identical(grads, expected)
-    assert_bit_identical(grads, torchs)
-    assert found_inf.item() == expected_inf == torchs_inf.item() == (0.0 if where is None else 1.0)
+    assert_bit_identical([tensor for tensor in grads if backend.has_unscale_op(tensor)], torchs)
+    assert found_inf.item() == expected_inf == (0.0 if where is None else 1.0)
+    assert torchs_inf.item() == reference_unscale(covered, 1.0)[1]
 
 
 @pytest.mark.parametrize("factor", [0.1, 1 / 3, 2.0**-16])
@@ -85,13 +106,15 @@ def test_unscale_matches_fp64_and_is_bit_identical_to_torch(
 def test_unscale_and_mul_of_every_fp16_and_bf16_value(
     backend: Backend, dtype: torch.dtype, factor: float
 ) -> None:
-    """Every finite value of the dtype at once: 0.1 is a factor where rounding through fp32 matters."""
+    """Every finite value of the dtype at once.
+
+    0.1 is a factor where rounding through fp32 matters, and where a factor rounded to the tensor's
+    dtype first (``_foreach_mul_`` by a CUDA scalar) gives other bits; 2**-16 sends bf16 values below
+    fp32's smallest normal, where real ``amp_C`` flushes (the reference models it for that backend).
+    """
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     every = every[every.isfinite()]
-    if backend.kernels.name == "apex" and backend.device.type == "cuda":  # fast-math flushes subnormals
-        normal = lambda t: (t == 0) | (t.double().abs() >= torch.finfo(dtype).tiny)  # noqa: E731
-        every = every[normal(every) & normal(round_to(every.double() * factor, dtype))]
-    expected = reference_mul([every], backend.scalar(factor).item())
+    expected = reference_mul([every], backend.scalar(factor).item(), backend.flush)
     unscaled, multiplied = every.to(backend.device, copy=True), every.to(backend.device, copy=True)
     found_inf = backend.zeros()
     backend.kernels.unscale_([unscaled], backend.scalar(factor), found_inf)
@@ -126,7 +149,7 @@ def test_huge_finite_values_are_not_an_overflow(backend: Backend) -> None:
         torch.tensor(values, dtype=dtype, device=backend.device)
         for values, dtype in (([1e20, 1.0], FP32), ([1e20], BF16), ([6e4], FP16))
     ]
-    expected = reference_mul(reference_mul(grads, 1.0), 2.0**16)
+    expected = reference_mul(reference_mul(grads, 1.0, backend.flush), 2.0**16, backend.flush)
     found_inf = backend.zeros()
     backend.kernels.norm(grads)  # squares of 1e20 overflow fp32: amp_C's norm flag must not leak
     backend.kernels.unscale_(grads, backend.scalar(1.0), found_inf)
@@ -173,7 +196,7 @@ def test_nonfinite_input_gives_nonfinite_norm(
 @pytest.mark.parametrize("mix", MIXES)
 def test_mul_matches_fp64(backend: Backend, mix: str, factor: float) -> None:
     grads = make_grads(MIXES[mix], backend.device, "middle", math.nan)
-    expected = reference_mul(grads, backend.scalar(factor).item())
+    expected = reference_mul(grads, backend.scalar(factor).item(), backend.flush)
     backend.kernels.mul_(grads, backend.scalar(factor))
     assert_bit_identical(grads, expected)
 
@@ -227,3 +250,13 @@ def test_reference_rounding_is_ieee_round_to_nearest_even(dtype: torch.dtype) ->
     with numpy.errstate(over="ignore"):  # 65520 rounds to inf on purpose
         ieee = torch.from_numpy(values.numpy().astype(numpy.float16)) if dtype == FP16 else values.float()
     assert_bit_identical([round_to(values, dtype)], [ieee])
+
+
+def test_reference_flush_mode_models_fast_math() -> None:
+    """fp32 subnormal operands and products become a signed zero; a normal product is untouched."""
+    grads = [torch.tensor([2.0**-111, -(2.0**-111), 2.0**-110, 2.0**-130], dtype=BF16)]
+    assert scaled(grads[0], 2.0**-16).tolist() == [2.0**-127, -(2.0**-127), 2.0**-126, 0.0]
+    flushed = scaled(grads[0], 2.0**-16, flush=True)
+    assert flushed.tolist() == [0.0, 0.0, 2.0**-126, 0.0]
+    assert torch.signbit(flushed).tolist() == [False, True, False, False]
+    assert scaled(torch.tensor([2.0**-130], dtype=FP32), 2.0**10, flush=True).item() == 0.0  # operand flushed

@@ -1,7 +1,8 @@
 """Run as a script by tests/lightning/test_fsdp.py: Lightning's ModelParallelStrategy (FSDP2) on 2 CPUs.
 
 Lightning launches the second process by re-running this script, so it cannot run inside pytest.
-Usage: python _model_parallel_fit.py OUT_DIR PRECISION
+Usage: python _model_parallel_fit.py OUT_DIR PRECISION [monitor]
+("monitor": a non-fused AdamW and a LossScaleMonitor, whose forensics read the poisoned step's gradients)
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from amp_plugin import AMPPrecision, LossScaler
+from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
+from amp_plugin.diagnostics import nonfinite_gradients
 
 POISON_STEP = 2
 
 
 class Sharded(LightningModule):
-    def __init__(self, out_dir: str, poison: bool) -> None:
+    def __init__(self, out_dir: str, poison: bool, fused: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-        self.out_dir, self.poison, self.norms = out_dir, poison, []
+        self.out_dir, self.poison, self.fused, self.norms = out_dir, poison, fused, []
+        self.forensics: list[list[str]] = []  # what nonfinite_gradients named, per step, on this rank
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -44,11 +47,15 @@ class Sharded(LightningModule):
         if self.poison and self.global_rank == 1 and self.global_step == POISON_STEP:
             self.net[2].weight.grad.to_local().view(-1)[0] = float("inf")  # rank 1's shard only
 
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if not self.fused:  # a collective: every rank calls it at every step
+            self.forensics.append([str(g) for g in nonfinite_gradients(self)])
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.norms.append(float(self.trainer.precision_plugin.last_grad_norm))
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
 
     def on_train_end(self) -> None:
         flat = torch.cat([p.full_tensor().detach().flatten() for p in self.parameters()])
@@ -62,11 +69,12 @@ class Sharded(LightningModule):
             "scale": None if scaler is None else scaler.get_scale(),
             "params_equal_across_ranks": all(torch.equal(gathered[0], g) for g in gathered),
             "params_finite": bool(torch.isfinite(flat).all()),
+            "forensics": self.forensics,
         }
         Path(self.out_dir, f"rank{self.global_rank}.json").write_text(json.dumps(result))
 
 
-def main(out_dir: str, precision: str) -> None:
+def main(out_dir: str, precision: str, variant: str = "") -> None:
     torch.set_num_threads(1)
     scaler = LossScaler("cpu", init_scale=1024.0) if precision == "16-mixed" else None
     g = torch.Generator().manual_seed(7)
@@ -76,8 +84,10 @@ def main(out_dir: str, precision: str) -> None:
         accelerator="cpu", devices=2, strategy=strategy,
         plugins=[AMPPrecision(precision, scaler=scaler)], max_steps=5, gradient_clip_val=1.0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[LossScaleMonitor()] if variant == "monitor" else [],
     )  # fmt: skip
-    trainer.fit(Sharded(out_dir, poison=scaler is not None), DataLoader(data, batch_size=4))
+    model = Sharded(out_dir, poison=scaler is not None, fused=variant != "monitor")
+    trainer.fit(model, DataLoader(data, batch_size=4))
     # Leave the group together while both ranks are alive: gloo torn down at interpreter exit, after
     # the other rank has gone, can abort ("terminate called without an active exception").
     if torch.distributed.is_initialized():
@@ -86,4 +96,4 @@ def main(out_dir: str, precision: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -153,6 +153,24 @@ def test_amp_precision_under_model_parallel_strategy_on_cpu(tmp_path: Path, prec
         assert not math.isfinite(ranks[0]["norms"][2])  # rank 0's own shard was finite
 
 
+def test_loss_scale_monitor_names_the_sharded_parameter_on_every_rank(tmp_path: Path) -> None:
+    """FSDP2's DTensor gradients: the monitor's forensics run on every rank and name the parameter."""
+    script = Path(__file__).with_name("_model_parallel_fit.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "16-mixed", "monitor"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    named = "net.2.weight (inf in 1 of 48 values, float32)"  # in rank 1's shard only
+    expected = [[named] if step == 2 else [] for step in range(5)]
+    assert [r["forensics"] for r in ranks] == [expected, expected]
+    assert [(r["skipped"], r["params_finite"]) for r in ranks] == [(1, True), (1, True)]
+    # Rank zero's report, read after the norm clip (whose factor 0 turned the inf into a NaN).
+    assert "Non-finite gradients: net.2.weight (nan in 1 of 48 values" in run.stdout + run.stderr
+
+
 @pytest.mark.cuda
 def test_fit_under_fsdp_strategy_on_cuda(tmp_path: Path) -> None:
     from lightning.pytorch.demos.boring_classes import BoringModel
