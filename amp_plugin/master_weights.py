@@ -45,7 +45,6 @@ from amp_plugin.fp32_policy import check_module_classes
 from amp_plugin.optim import unwrap_optimizer
 
 __all__ = [
-    "MASTER_WEIGHTS",
     "NORM_LAYERS",
     "MasterWeights",
     "NormLayer",
@@ -56,7 +55,6 @@ __all__ = [
 ]
 
 #: What ``master_weights=`` takes: fp32 masters (``True``), none (``False``), or bf16 plus a remainder.
-MASTER_WEIGHTS: tuple[object, ...] = (True, False, "remainder")
 MasterMode = bool | Literal["remainder"]
 
 _TORCH_NORMS: tuple[type[nn.Module], ...] = (
@@ -240,6 +238,13 @@ class MasterWeights:
         as NaN and cannot be written); :meth:`values` gives the values at any time.
         """
         return (master for _, master in self._pairs)
+
+    def remainders(self) -> list[Tensor]:
+        """The int16 remainders that hold the masters' low bits (empty without remainders).
+
+        A master that is live (inside ``optimizer.step()``) has none: its fp32 tensor holds the value.
+        """
+        return [rest for rest in self._rest.values() if rest is not None]
 
     @torch.no_grad()
     def values(self) -> list[Tensor]:

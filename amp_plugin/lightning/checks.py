@@ -30,6 +30,7 @@ from amp_plugin.scaler import LossScaler
 __all__ = [
     "LBFGS_HALF_WEIGHTS",
     "LBFGS_REFUSAL",
+    "assigned_scaler",
     "check_arguments",
     "check_fit_start",
     "check_half_weights",
@@ -85,6 +86,7 @@ def check_arguments(
             ),
         )
     check_bool("AMPPrecision", "guard", guard)
+
     if guard is False and precision in ("16-mixed", "16-true"):
         fail(
             "AMPPrecision",
@@ -105,6 +107,66 @@ def check_arguments(
         "AMPPrecision", "clip_fused", clip_fused, ("auto", True, False), "use 'auto' (or a real bool)."
     )
     check_choice("AMPPrecision", "lr_on_skip", lr_on_skip, ("hold", "advance"), "use 'hold'.")
+
+
+def assigned_scaler(
+    call: str, precision: str, dtype: torch.dtype | None, scaler: object, grad_scaler: bool = True
+) -> LossScaler | None:
+    """The scaler ``plugin.scaler = scaler`` installs (a ``GradScaler`` converted); raise if it cannot work.
+
+    ``precision`` is the plugin's, ``dtype`` its resolved one (``None`` while ``"auto"`` is not
+    resolved). Refused: anything but a ``LossScaler`` (or, with ``grad_scaler``, a
+    ``torch.amp.GradScaler``), a scaler for a precision without loss scaling, ``None`` for fp16
+    (it would train without scaling), a disabled scaler.
+
+    Example:
+        >>> scaler = LossScaler("cpu", init_scale=4.0)
+        >>> assigned_scaler("AMPPrecision", "16-mixed", torch.float16, scaler) is scaler
+        True
+        >>> assigned_scaler("AMPPrecision", "bf16-mixed", torch.bfloat16, LossScaler("cpu"))
+        Traceback (most recent call last):
+        ...
+        ValueError: AMPPrecision.scaler(LossScaler) is not allowed: ... HINT: ...
+    """
+    types = (LossScaler, torch.amp.GradScaler) if grad_scaler else (LossScaler,)
+    what, prop = f"{type(scaler).__name__}", f"{call}.scaler"
+    if scaler is not None and not isinstance(scaler, types):
+        fail(
+            prop,
+            passed=f"{what} {scaler!r:.60}",
+            allowed="an amp_plugin.LossScaler" + " or a torch.amp.GradScaler" * grad_scaler,
+            hint="assign LossScaler(...) (it takes GradScaler's arguments).",
+            error=TypeError,
+        )
+    fp16 = dtype == torch.float16 if dtype is not None else precision in ("16-mixed", "16-true")
+    if scaler is not None and not fp16:
+        why = (
+            "'auto' is not resolved yet, and it picks bf16, which uses no scaler, where it can"
+            if dtype is None and precision == "auto"
+            else f"`precision={precision!r}` does not use a scaler; only fp16 ('16-mixed', '16-true') does"
+        )
+        fail(
+            prop,
+            passed=what,
+            allowed=why,
+            hint=f"leave {call}.scaler as None, or build the plugin with precision='16-mixed'.",
+        )
+    if scaler is None and fp16:
+        fail(
+            prop,
+            passed="None",
+            allowed=f"fp16 (precision={precision!r}) needs a loss scaler: without one it trains unscaled",
+            hint="assign a LossScaler, e.g. LossScaler('cpu') or LossScaler('cuda').",
+        )
+    new = LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
+    if new is not None and not new.is_enabled():
+        fail(
+            prop,
+            passed=f"{what} (disabled)",
+            allowed="an enabled scaler: a disabled one would train fp16 without loss scaling or an inf check",
+            hint="assign one for the device you train on, e.g. LossScaler('cpu').",
+        )
+    return new
 
 
 def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, str]:
