@@ -126,7 +126,7 @@ def assigned_scaler(
         >>> assigned_scaler("AMPPrecision", "bf16-mixed", torch.bfloat16, LossScaler("cpu"))
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision.scaler(LossScaler) is not allowed: ... HINT: ...
+        ValueError: AMPPrecision.scaler(LossScaler) is not allowed here: ...
     """
     types = (LossScaler, torch.amp.GradScaler) if grad_scaler else (LossScaler,)
     what, prop = f"{type(scaler).__name__}", f"{call}.scaler"
@@ -148,14 +148,16 @@ def assigned_scaler(
         fail(
             prop,
             passed=what,
-            allowed=why,
+            why=why,
+            allowed="a scaler with fp16 ('16-mixed', '16-true') only",
             hint=f"leave {call}.scaler as None, or build the plugin with precision='16-mixed'.",
         )
     if scaler is None and fp16:
         fail(
             prop,
             passed="None",
-            allowed=f"fp16 (precision={precision!r}) needs a loss scaler: without one it trains unscaled",
+            why=f"fp16 (precision={precision!r}) needs a loss scaler: without one it trains unscaled",
+            allowed="a LossScaler",
             hint="assign a LossScaler, e.g. LossScaler('cpu') or LossScaler('cuda').",
         )
     new = LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
@@ -163,7 +165,8 @@ def assigned_scaler(
         fail(
             prop,
             passed=f"{what} (disabled)",
-            allowed="an enabled scaler: a disabled one would train fp16 without loss scaling or an inf check",
+            why="a disabled scaler would train fp16 without loss scaling or an inf check",
+            allowed="an enabled scaler",
             hint="assign one for the device you train on, e.g. LossScaler('cpu').",
         )
     return new
