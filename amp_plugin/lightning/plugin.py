@@ -98,7 +98,6 @@ class AMPPrecision(MixedPrecision):
         ('16-mixed', torch.float16, 'LossScaler')
     """
 
-    scaler: LossScaler | None  # type: ignore[assignment]  # MixedPrecision's is a GradScaler
     precision: PrecisionName | str  # type: ignore[assignment]  # "auto" until resolved; Lightning's Literal lacks it
     device: str | None  # type: ignore[assignment]  # None until resolved at setup
 
@@ -138,7 +137,7 @@ class AMPPrecision(MixedPrecision):
             if master_weights or precision in ("16-true", "bf16-true")
             else None
         )
-        self.scaler = (
+        self._scaler = (
             LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
         )
         self.device = None
@@ -152,6 +151,10 @@ class AMPPrecision(MixedPrecision):
         self._driver: StepDriver | None = None  # built when the precision is resolved
         if device is not None:
             self._resolve(device)
+
+    def __repr__(self) -> str:
+        # Lightning names a plugin it refuses ("Received both `precision=...` and `plugins=...`") by str().
+        return f"amp_plugin.AMPPrecision({self.requested!r})"
 
     @classmethod
     def from_opt_level(cls, level: Literal["O0", "O1", "O2", "O3"], **overrides: Any) -> AMPPrecision:
@@ -175,8 +178,8 @@ class AMPPrecision(MixedPrecision):
     def _resolve(self, device: object) -> tuple[str, torch.dtype]:
         device_type, dtype, self.precision = checks.resolve_settings(self.requested, device)
         # A scaler comes only with "16-mixed" (check_arguments), which always resolves to fp16.
-        if self.scaler is None and dtype == torch.float16:
-            self.scaler = LossScaler(kernels=self.kernels)
+        if self._scaler is None and dtype == torch.float16:
+            self._scaler = LossScaler(kernels=self.kernels)
         guard = self.scaler
         if guard is None and self._guard:  # nothing to scale: a guard that only checks and skips
             guard = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
@@ -456,6 +459,30 @@ class AMPPrecision(MixedPrecision):
             self.last_grad_norm = self._require_driver().grad_norm(optimizer)
         self._require_driver().clip_grad_value_(optimizer, float(clip_val))
 
+    @property  # type: ignore[override]  # MixedPrecision's is a GradScaler attribute
+    def scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler (``None`` for the other precisions, and for ``"auto"`` until resolved).
+
+        Assigning one between steps (``precision.scaler = LossScaler(...)``) makes the steps use it:
+        it is also the :attr:`guard`. A ``torch.amp.GradScaler`` is converted, as in the constructor.
+        Refused (``TypeError``/``ValueError``, nothing changed): anything else, a scaler for a
+        precision without loss scaling, ``None`` for fp16.
+
+        Example:
+            >>> plugin = AMPPrecision("16-mixed", device="cpu")
+            >>> plugin.scaler = LossScaler("cpu", init_scale=8.0)
+            >>> plugin.guard is plugin.scaler, plugin.scaler.get_scale()
+            (True, 8.0)
+        """
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: LossScaler | torch.amp.GradScaler | None) -> None:
+        new = checks.assigned_scaler("AMPPrecision", str(self.precision), self.dtype, scaler)
+        old, self._scaler = self._scaler, new
+        if self._driver is not None and old is not None and self._driver.scaler is old:
+            self._driver.scaler = new  # the steps read the driver's scaler
+
     @property
     def guard(self) -> LossScaler | None:
         """The :class:`LossScaler` that checks every step and skips non-finite ones.
@@ -483,8 +510,8 @@ class AMPPrecision(MixedPrecision):
 
 
 _IN_FABRIC = (
-    "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed: that is the Trainer's "
-    "plugin; Fabric takes amp_plugin.fabric.AMPPrecision (the same arguments). "
+    "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed here: that is the "
+    "Trainer's plugin. Allowed: amp_plugin.fabric.AMPPrecision (the same arguments). "
     "HINT: from amp_plugin.fabric import AMPPrecision"
 )
 
