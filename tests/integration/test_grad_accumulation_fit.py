@@ -141,3 +141,22 @@ def test_off_under_ddp_with_a_warning() -> None:
     finally:  # one in-process rank: the process group it made must not outlive the test
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_turned_off_it_adds_up_in_the_half_grad_and_a_non_bool_is_refused() -> None:
+    rows = _micro_gradients()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=1)
+    module = Probe()
+    plugin = AMPPrecision("bf16-true", fp32_grad_accumulation=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[plugin], logger=False, max_epochs=1,
+                        accumulate_grad_batches=MICRO, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    naive = (rows / MICRO).bfloat16()[0].clone()
+    for row in (rows / MICRO).bfloat16()[1:]:
+        naive += row
+    assert torch.equal(module.seen[0], naive)  # torch's own accumulation, as before
+    with pytest.raises(TypeError, match=r"fp32_grad_accumulation='no'.*True or False.*HINT"):
+        AMPPrecision("bf16-true", fp32_grad_accumulation="no")  # type: ignore[arg-type]
