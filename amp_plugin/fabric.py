@@ -278,6 +278,7 @@ class AMPPrecision(MixedPrecision):
         fail(
             "AMPPrecision(master_weights=True)",
             passed=f"a second model ({type(module).__name__}) to fabric.setup",
+            why="this plugin keeps fp32 masters for one model only",
             allowed=f"one model per plugin: the fp32 masters belong to the first ({type(first).__name__})",
             hint=(
                 "set up the models as one module, e.g. fabric.setup(nn.ModuleDict({'g': g, 'd': d}), "
@@ -321,6 +322,7 @@ class AMPPrecision(MixedPrecision):
                 fail(
                     "AMPPrecision.attach",
                     passed=f"optimizer={type(opt).__name__} before the model was set up",
+                    why="the model is not set up yet",
                     allowed="attaching optimizers once fabric.setup(model, ...) has cast the model",
                     hint="call precision.attach(optimizer) after fabric.setup.",
                     error=RuntimeError,
@@ -356,6 +358,7 @@ class AMPPrecision(MixedPrecision):
         fail(
             "AMPPrecision(master_weights=True).attach",
             passed=f"optimizer={type(opt).__name__} with state for the model's half parameters",
+            why="the optimizer already has state for the half parameters",
             allowed=(
                 "an optimizer without state until it steps the fp32 masters (state loaded by fabric.load "
                 f"into the half parameters was rounded to {self.dtype})"

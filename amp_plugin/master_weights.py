@@ -45,7 +45,6 @@ from amp_plugin.fp32_policy import check_module_classes
 from amp_plugin.optim import unwrap_optimizer
 
 __all__ = [
-    "MASTER_WEIGHTS",
     "NORM_LAYERS",
     "MasterWeights",
     "NormLayer",
@@ -56,7 +55,6 @@ __all__ = [
 ]
 
 #: What ``master_weights=`` takes: fp32 masters (``True``), none (``False``), or bf16 plus a remainder.
-MASTER_WEIGHTS: tuple[object, ...] = (True, False, "remainder")
 MasterMode = bool | Literal["remainder"]
 
 _TORCH_NORMS: tuple[type[nn.Module], ...] = (
@@ -138,7 +136,7 @@ def check_master_weights(call: str, master_weights: object, dtype: object | None
         >>> check_master_weights("cast_model", "remainder", torch.float16)
         Traceback (most recent call last):
         ...
-        ValueError: cast_model(master_weights='remainder' with torch.float16) is not allowed: ... HINT: ...
+        ValueError: cast_model(master_weights='remainder' with torch.float16) is not allowed here: ...
     """
     remainder = isinstance(master_weights, str) and master_weights == "remainder"
     if not (remainder or master_weights is True or master_weights is False):
@@ -153,7 +151,8 @@ def check_master_weights(call: str, master_weights: object, dtype: object | None
         fail(
             call,
             passed=f"master_weights='remainder' with {dtype}",
-            allowed="master_weights='remainder' with torch.bfloat16 (an fp32 value is a bf16 plus 16 bits)",
+            why=f"an fp32 value is a bf16 value plus 16 bits, not a {dtype} value plus 16 bits",
+            allowed="master_weights='remainder' with torch.bfloat16 only",
             hint=(
                 "use bf16 ('bf16-mixed'), or master_weights=True for fp16: an fp16 value and 16 more bits "
                 "cannot hold an fp32 master exactly (fp16 has fewer exponent bits)."
@@ -239,6 +238,13 @@ class MasterWeights:
         as NaN and cannot be written); :meth:`values` gives the values at any time.
         """
         return (master for _, master in self._pairs)
+
+    def remainders(self) -> list[Tensor]:
+        """The int16 remainders that hold the masters' low bits (empty without remainders).
+
+        A master that is live (inside ``optimizer.step()``) has none: its fp32 tensor holds the value.
+        """
+        return [rest for rest in self._rest.values() if rest is not None]
 
     @torch.no_grad()
     def values(self) -> list[Tensor]:
@@ -467,6 +473,7 @@ class MasterWeights:
                 fail(
                     "MasterWeights.load_state_dict",
                     passed=f"{prefix}{names[0]}={_describe(value)}",
+                    why="it does not fit this model's parameter",
                     allowed=f"a tensor of shape {tuple(master.shape)}",
                     hint="load a checkpoint of this model.",
                 )

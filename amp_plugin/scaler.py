@@ -259,6 +259,7 @@ class LossScaler:
             fail(
                 "LossScaler.from_grad_scaler",
                 passed="a GradScaler in the middle of an iteration",
+                why="the GradScaler is between scale() and update()",
                 allowed="one between update() and the next scale()",
                 hint="convert it after update().",
                 error=RuntimeError,
@@ -508,6 +509,7 @@ class LossScaler:
             fail(
                 call,
                 passed="sharded=True",
+                why="DTensor gradients carry their sharding, and their norm is global already",
                 allowed="sharded=False when the gradients are DTensors (fully_shard)",
                 hint=(
                     "DTensor gradients carry their sharding and their norm is already global; "

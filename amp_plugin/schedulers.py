@@ -71,6 +71,7 @@ class SkipAwareScheduler:
             fail(
                 "SkipAwareScheduler",
                 passed=f"lr_on_skip={lr_on_skip!r}",
+                why="there is no such mode",
                 allowed="'hold' or 'advance'",
                 hint="'hold' keeps the schedule in step with the weights' updates.",
             )

@@ -54,7 +54,7 @@ def check_arguments(
         >>> check_arguments("bf16-mixed", LossScaler("cpu"), "auto", "hold")
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision(precision='bf16-mixed', scaler=LossScaler) is not allowed: ... HINT: ...
+        ValueError: AMPPrecision(precision='bf16-mixed', scaler=LossScaler) is not allowed here: ... HINT: ...
     """
     check_precision(precision, "AMPPrecision")
     if scaler is not None and not isinstance(scaler, (LossScaler, torch.amp.GradScaler)):
@@ -69,20 +69,16 @@ def check_arguments(
         fail(
             "AMPPrecision",
             passed=f"precision={precision!r}, scaler={type(scaler).__name__}",
-            allowed=(
-                f"scaler= only with '16-mixed' or '16-true' (precision={precision!r} does not use a loss "
-                "scaler)"
-            ),
+            why=f"precision={precision!r} does not use a loss scaler",
+            allowed="scaler= with '16-mixed' or '16-true' only",
             hint="drop scaler=, or use precision='16-mixed'.",
         )
     if scaler is not None and not scaler.is_enabled():
         fail(
             "AMPPrecision",
             passed=f"scaler={type(scaler).__name__} (disabled)",
-            allowed=(
-                "an enabled scaler: a disabled one would train fp16 with neither loss scaling nor an inf "
-                "check"
-            ),
+            why="a disabled scaler would train fp16 with neither loss scaling nor an inf check",
+            allowed="an enabled scaler, or scaler=None",
             hint=(
                 "leave scaler=None (the plugin makes a LossScaler for the device it trains on), or pass one "
                 "for that device, e.g. LossScaler('cpu'); a scaler for 'cuda' is disabled where CUDA is not "
@@ -95,20 +91,16 @@ def check_arguments(
         fail(
             "AMPPrecision",
             passed=f"precision={precision!r}, guard=False",
-            allowed=(
-                "guard=False only where no loss scaler runs (bf16, fp32): fp16's loss scaler always checks "
-                "and skips"
-            ),
+            why="fp16's loss scaler always checks and skips",
+            allowed="guard=False with bf16 or fp32 only, where no loss scaler runs",
             hint="drop guard=False.",
         )
     if scaler is not None and precision == "auto":
         fail(
             "AMPPrecision",
             passed=f"precision='auto', scaler={type(scaler).__name__}",
-            allowed=(
-                "scaler= with an explicit fp16 precision ('auto' with a scaler is ambiguous: it picks "
-                "bf16, which uses no scaler, where it can)"
-            ),
+            why="'auto' with a scaler is ambiguous: it picks bf16, which uses no scaler, where it can",
+            allowed="scaler= with an explicit fp16 precision ('16-mixed' or '16-true')",
             hint="pass precision='16-mixed' together with the scaler.",
         )
     check_choice(
@@ -134,7 +126,7 @@ def assigned_scaler(
         >>> assigned_scaler("AMPPrecision", "bf16-mixed", torch.bfloat16, LossScaler("cpu"))
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision.scaler(LossScaler) is not allowed: ... HINT: ...
+        ValueError: AMPPrecision.scaler(LossScaler) is not allowed here: ...
     """
     types = (LossScaler, torch.amp.GradScaler) if grad_scaler else (LossScaler,)
     what, prop = f"{type(scaler).__name__}", f"{call}.scaler"
@@ -156,14 +148,16 @@ def assigned_scaler(
         fail(
             prop,
             passed=what,
-            allowed=why,
+            why=why,
+            allowed="a scaler with fp16 ('16-mixed', '16-true') only",
             hint=f"leave {call}.scaler as None, or build the plugin with precision='16-mixed'.",
         )
     if scaler is None and fp16:
         fail(
             prop,
             passed="None",
-            allowed=f"fp16 (precision={precision!r}) needs a loss scaler: without one it trains unscaled",
+            why=f"fp16 (precision={precision!r}) needs a loss scaler: without one it trains unscaled",
+            allowed="a LossScaler",
             hint="assign a LossScaler, e.g. LossScaler('cpu') or LossScaler('cuda').",
         )
     new = LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
@@ -171,7 +165,8 @@ def assigned_scaler(
         fail(
             prop,
             passed=f"{what} (disabled)",
-            allowed="an enabled scaler: a disabled one would train fp16 without loss scaling or an inf check",
+            why="a disabled scaler would train fp16 without loss scaling or an inf check",
+            allowed="an enabled scaler",
             hint="assign one for the device you train on, e.g. LossScaler('cpu').",
         )
     return new
@@ -188,7 +183,7 @@ def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, 
         ('cpu', torch.float32, '32-true')
     """
     device_type = precisions.check_device(device, "AMPPrecision")
-    dtype = precisions.resolve_precision(requested, device_type)
+    dtype = precisions.resolve_precision(requested, device_type, call="AMPPrecision")
     name = requested
     if requested == "auto":
         name = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
@@ -222,7 +217,7 @@ def check_half_weights(
         >>> check_half_weights("bf16-true", True, None, "nearest", 0)
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision(precision='bf16-true', master_weights=True) is not allowed: ... HINT: ...
+        ValueError: AMPPrecision(precision='bf16-true', master_weights=True) is not allowed here: ...
     """
 
     check_master_weights("AMPPrecision", master_weights)
@@ -230,10 +225,8 @@ def check_half_weights(
         fail(
             "AMPPrecision",
             passed=f"precision={precision!r}, master_weights='remainder'",
-            allowed=(
-                "master_weights='remainder' with precision='bf16-mixed' (an fp32 master is exactly a bf16 "
-                "value plus 16 more bits; an fp16 value is not)"
-            ),
+            why="an fp32 master is exactly a bf16 value plus 16 more bits, and no other precision's value",
+            allowed="master_weights='remainder' with precision='bf16-mixed' only",
             hint="use precision='bf16-mixed', or master_weights=True (fp32 masters) for fp16.",
         )
     check_choice("AMPPrecision", "rounding", rounding, ROUNDINGS, "use 'stochastic' (or 'nearest').")
@@ -246,6 +239,7 @@ def check_half_weights(
         fail(
             "AMPPrecision",
             passed=f"precision={precision!r}, master_weights=True",
+            why=f"precision={precision!r} keeps the weights in half, with no fp32 copy to master",
             allowed="master weights with '16-mixed', 'bf16-mixed' or 'auto'",
             hint=(
                 f"use precision={precision.replace('-true', '-mixed')!r} with master_weights=True (fp32 "
@@ -256,9 +250,8 @@ def check_half_weights(
         fail(
             "AMPPrecision",
             passed=f"precision={precision!r}, rounding={rounding!r}",
-            allowed=(
-                "a rounding other than 'nearest' with '16-true' or 'bf16-true' (weights without an fp32 copy)"
-            ),
+            why="weights held in fp32 lose nothing to rounding",
+            allowed="a rounding other than 'nearest' with '16-true' or 'bf16-true' only",
             hint=(
                 "use precision='bf16-true' with rounding=..., or drop rounding (fp32 weights and masters "
                 "round nothing away)."
@@ -268,10 +261,8 @@ def check_half_weights(
         fail(
             "AMPPrecision",
             passed=f"keep_fp32={keep_fp32!r}",
-            allowed=(
-                "keep_fp32 with master_weights=True or a '16-true'/'bf16-true' precision (only then are "
-                "weights cast)"
-            ),
+            why="only a cast model has weights to keep in fp32",
+            allowed="keep_fp32 with master_weights=True or a '16-true'/'bf16-true' precision",
             hint="drop keep_fp32; under autocast every weight stays fp32 anyway.",
         )
     return keep
@@ -399,11 +390,11 @@ def _check_fp16_eps(optimizers: list[Optimizer]) -> None:
                 fail(
                     "AMPPrecision('16-true')",
                     passed=f"{type(opt).__name__}(eps={eps!r})",
-                    allowed=(
-                        f"eps >= {smallest_normal:.3g} (fp16's smallest normal number) when the optimizer "
-                        "state is fp16: a smaller eps rounds to 0, and a zero second moment then divides by "
-                        "zero and writes NaN into the weights"
+                    why=(
+                        "in fp16 optimizer state that eps rounds to 0, and a zero second moment then "
+                        "divides by zero and writes NaN into the weights"
                     ),
+                    allowed=f"eps >= {smallest_normal:.3g} (fp16's smallest normal number)",
                     hint=(
                         f"build {type(opt).__name__}(..., eps=1e-4), or use precision='16-mixed' with "
                         "master_weights=True, or 'bf16-true'."

@@ -60,10 +60,11 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision",
                 passed=f"precision={precision!r}",
-                allowed=(  # FSDPPrecision's words, which users and tests match on
+                why=(  # FSDPPrecision's words, which users and tests match on
                     f"`precision={precision!r}` is not supported in FSDP. `precision` must be one of: "
                     + ", ".join(map(repr, _PRECISIONS))
                 ),
+                allowed="one of those, as for Lightning's FSDPPrecision",
                 hint="'16-mixed' is the precision that scales the loss.",
             )
         if scaler is not None and not isinstance(scaler, LossScaler):
@@ -78,7 +79,8 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision",
                 passed=f"precision={precision!r}, scaler=LossScaler",
-                allowed=f"a scaler only with '16-mixed': `precision={precision!r}` does not use a scaler",
+                why=f"`precision={precision!r}` does not use a scaler",  # FSDPPrecision's words
+                allowed="a scaler only with '16-mixed'",
                 hint="drop the scaler: bf16 and fp32 need none.",
             )
         check_bool("AMPFSDPPrecision", "guard", guard)
@@ -184,6 +186,7 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision.clip_grad_by_norm",
                 passed="guard=False",
+                why="the norm clip goes through the guard's LossScaler",
                 allowed="the guard on (the norm clip goes through its LossScaler)",
                 hint="use gradient_clip_algorithm='value', or drop guard=False.",
             )

@@ -66,7 +66,7 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
         >>> opt_level_arguments("O4")
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision.from_opt_level(level='O4') is not allowed: one of 'O0', ... HINT: ...
+        ValueError: AMPPrecision.from_opt_level(level='O4') is not allowed here: Apex has no ....
     """
     if level not in OPT_LEVELS:
         hint = (
@@ -75,6 +75,7 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
         fail(
             _CALL,
             passed=f"level={level!r}",
+            why="Apex has no such opt level",
             allowed="one of " + ", ".join(map(repr, OPT_LEVELS)),
             hint=f"{hint} (the letter O, not zero).",
         )
@@ -106,6 +107,7 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
         fail(
             _CALL,
             passed=f"level={level!r}, master_weights={masters!r}",
+            why="only a model cast to half has weights to master",
             allowed=(
                 "master weights with a model cast to half (O2, or cast_model_type=torch.float16/bfloat16)"
             ),
@@ -121,6 +123,7 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
         fail(
             _CALL,
             passed=f"{clash[0]}=...",
+            why=f"the opt level sets {clash[0]}",
             allowed=f"no {clash[0]!r} next to an opt level (the level sets it)",
             hint=f"use Apex's keywords ({', '.join(APEX_OPTIONS)}) or AMPPrecision(...) directly.",
         )
@@ -136,6 +139,7 @@ def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str
             fail(
                 _CALL,
                 passed=f"loss_scale={apex.get('loss_scale')!r}",
+                why="bf16 and fp32 need no loss scaling",
                 allowed="no loss scaling with bf16 or fp32",
                 hint="drop loss_scale, min_loss_scale and max_loss_scale.",
             )
@@ -144,6 +148,7 @@ def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str
         fail(
             _CALL,
             passed=f"loss_scale={loss_scale!r}",
+            why="a loss scale must be a positive number",
             allowed="'dynamic' or a finite number > 0",
             hint="use loss_scale='dynamic'.",
         )
@@ -156,6 +161,7 @@ def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str
             fail(
                 _CALL,
                 passed="min_loss_scale/max_loss_scale with a static loss_scale",
+                why="a static loss scale never moves, so it has no bounds",
                 allowed=("bounds only with loss_scale='dynamic'"),
                 hint="drop the bounds, or use loss_scale='dynamic'.",
             )

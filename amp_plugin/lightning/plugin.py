@@ -170,6 +170,10 @@ class AMPPrecision(MixedPrecision):
         if device is not None:
             self._resolve(device)
 
+    def __repr__(self) -> str:
+        # Lightning names a plugin it refuses ("Received both `precision=...` and `plugins=...`") by str().
+        return f"amp_plugin.AMPPrecision({self.requested!r})"
+
     @classmethod
     def from_opt_level(cls, level: Literal["O0", "O1", "O2", "O3"], **overrides: Any) -> AMPPrecision:
         """The plugin for Apex opt level ``level``; ``overrides`` take Apex's or this class's keywords.
@@ -546,8 +550,8 @@ _NO_FP32_ACCUMULATION = (
 )
 
 _IN_FABRIC = (
-    "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed: that is the Trainer's "
-    "plugin; Fabric takes amp_plugin.fabric.AMPPrecision (the same arguments). "
+    "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed here: that is the "
+    "Trainer's plugin. Allowed: amp_plugin.fabric.AMPPrecision (the same arguments). "
     "HINT: from amp_plugin.fabric import AMPPrecision"
 )
 
