@@ -192,9 +192,9 @@ def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, 
     if note is not None:  # a warning where "auto" chose it; information where it was asked for by name
         if requested == "auto":
             fix = "HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU with AMX."
-            _say_once(f"AMPPrecision({name!r}): {note}. {fix}", warn=True)
+            _say_once(f"AMPPrecision({name!r}): {note}.\n{fix}", warn=True)  # two lines fit a terminal
         else:
-            _say_once(f"AMPPrecision({name!r}): {note}; leave AMPPrecision out to train in fp32.", warn=False)
+            _say_once(f"AMPPrecision({name!r}): {note};\nleave AMPPrecision out for fp32.", warn=False)
     return device_type, dtype, name
 
 
