@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -25,6 +26,7 @@ from typing_extensions import override
 
 from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
+from amp_plugin._validation import fail
 from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
 from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
@@ -92,6 +94,12 @@ class AMPPrecision(MixedPrecision):
             ``"bf16-mixed"``): a recipe name (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``) or a :class:`~amp_plugin.fp8.Float8` (recipe, layer filter);
             the choice is reported at fit start and kept in :attr:`fp8_report`.
+        fp32_grad_accumulation: with half weights (master weights or "-true") and
+            ``Trainer(accumulate_grad_batches > 1)``, add the micro-batch gradients up in fp32
+            (4 bytes per trainable half parameter, held from the first micro-batch to the step)
+            instead of in the half ``.grad``, whose every addition rounds to 8 (bf16) or 11 (fp16)
+            significant bits; see :mod:`amp_plugin.grad_accumulation`. Single-device strategies
+            only: under DDP and the other strategies it is off, with a warning.
         spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
             jumps far above its recent history (counted as a skip; the scale does not back off).
             It is handed to the :attr:`guard`.
@@ -121,10 +129,20 @@ class AMPPrecision(MixedPrecision):
         fp32_functions: Callable[..., Any] | Sequence[Callable[..., Any]] = (),
         guard: bool = True,
         fp8: Recipe | Float8 | None = None,
+        fp32_grad_accumulation: bool = True,
         spike_guard: SpikeGuard | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip, guard)
         self.spike_guard = check_spike_guard("AMPPrecision", spike_guard, guard)
+        if not isinstance(fp32_grad_accumulation, bool):
+            fail(
+                "AMPPrecision",
+                passed=f"fp32_grad_accumulation={fp32_grad_accumulation!r:.60}",
+                allowed="True or False",
+                hint="pass False to add micro-batch gradients up in the half .grad (2 bytes per parameter).",
+                error=TypeError,
+            )
+        self.fp32_grad_accumulation = fp32_grad_accumulation
         self.fp8 = check_fp8_request("AMPPrecision", fp8, precision, master_weights)
         self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
@@ -244,6 +262,7 @@ class AMPPrecision(MixedPrecision):
         )
         if self._half is not None:
             self._half.attach(optimizers)
+            self._half.accumulate_in_fp32(self._accumulates_in_fp32(model, module))
         lbfgs = any(map(checks.is_lbfgs, optimizers))
         if lbfgs and self.scaler is None and self._half is None and self._guard:
             rank_zero_warn(checks.LBFGS_UNGUARDED)
@@ -263,6 +282,18 @@ class AMPPrecision(MixedPrecision):
                     config.scheduler, self._require_driver(), self.lr_on_skip
                 )
         return model, optimizers, lr_schedulers
+
+    def _accumulates_in_fp32(self, model: nn.Module, module: nn.Module) -> bool:
+        """Whether this fit adds micro-batches up in fp32: asked for, accumulating, one device."""
+        trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
+        if not self.fp32_grad_accumulation or trainer is None or trainer.accumulate_grad_batches <= 1:
+            return False
+        if isinstance(trainer.strategy, SingleDeviceStrategy):
+            return True
+        # DDP all-reduces the .grad it finds at the last micro-batch; a hook that empties .grad after
+        # every backward would hand it only that micro-batch, so the fp32 path stays single-device.
+        rank_zero_warn(_NO_FP32_ACCUMULATION.format(strategy=type(trainer.strategy).__name__))
+        return False
 
     @override
     def teardown(self) -> None:
@@ -353,6 +384,8 @@ class AMPPrecision(MixedPrecision):
             return super(MixedPrecision, self).optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()  # the half gradients must exist before the masters take them
         if closure_result is None and model.automatic_optimization:
+            if self._half is not None:  # the hooks and the next zero_grad see the sums, as without it
+                self._half.flush_gradients(optimizer)
             self._no_clip = True
             try:
                 driver.not_stepped(optimizer, lambda: self._observe_gradients(model, optimizer))
@@ -518,6 +551,13 @@ class AMPPrecision(MixedPrecision):
         optimizer and per batch); ``None`` until the precision is resolved at setup."""
         return self._driver
 
+
+_NO_FP32_ACCUMULATION = (
+    "AMPPrecision: fp32 gradient accumulation is off under {strategy} (it runs with single-device "
+    "strategies only); micro-batch gradients add up in the half-precision .grad, rounding each sum. "
+    "HINT: pass AMPPrecision(fp32_grad_accumulation=False) to silence this, or use fewer, larger "
+    "micro-batches."
+)
 
 _IN_FABRIC = (
     "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed here: that is the "
