@@ -189,3 +189,14 @@ def test_masters_follow_a_model_moved_after_the_cast(mode: bool | str) -> None:
     assert all(p.device.type == "cuda" for g in opt.param_groups for p in g["params"])
     assert all(v.device.type == "cuda" for s in opt.state.values() for v in s.values() if v.dim())
     assert all(v.device.type == "cuda" for v in masters.values())
+
+
+def test_gradient_accumulation_hands_the_fp32_sums_to_the_remainder_masters() -> None:
+    start = {k: v.clone() for k, v in Regressor().state_dict().items()}
+    module, trainer = _fit(REMAINDER, 1, accumulate_grad_batches=2)
+    assert trainer.global_step == 2  # 4 batches, 2 per step
+    state = module.state_dict()
+    assert state["net.0.weight"].dtype == torch.float32 and not torch.equal(
+        state["net.0.weight"], start["net.0.weight"]
+    )
+    assert all(torch.isfinite(v).all() for v in state.values())
