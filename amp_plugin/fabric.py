@@ -47,6 +47,7 @@ from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
+from amp_plugin.spike import SpikeGuard, check_spike_guard
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -70,6 +71,8 @@ class AMPPrecision(MixedPrecision):
         fp32_modules: module classes whose forward runs in fp32 with autocast off.
         guard: skip every step whose loss or gradients hold an inf/NaN, in every precision;
             ``False`` turns it off where no loss scaler runs.
+        spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
+            jumps far above its recent history (counted as a skip; the scale does not back off).
         master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
             optimizer step fp32 master copies (Apex's O2); the model's ``state_dict`` (and so
             ``fabric.save``) holds the fp32 values.
@@ -116,8 +119,10 @@ class AMPPrecision(MixedPrecision):
         rounding_seed: int = 0,
         lr_on_skip: Literal["hold", "advance"] = "hold",
         fp8: Recipe | Float8 | None = None,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, "auto", lr_on_skip, guard)
+        self.spike_guard = check_spike_guard("AMPPrecision (Fabric)", spike_guard, guard)
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
         self.fp8 = check_fp8_request("AMPPrecision (Fabric)", fp8, precision, master_weights)
         self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
@@ -142,6 +147,8 @@ class AMPPrecision(MixedPrecision):
         )
         if scaler is None and guard:  # bf16/fp32: nothing to scale, but every step is still checked
             scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
+        if scaler is not None and self.spike_guard is not None:
+            scaler.spike_guard = self.spike_guard
         self._driver = StepDriver(
             scaler, None if self._half is None else self._half.before_step, self.kernels
         )
@@ -436,6 +443,8 @@ class AMPPrecision(MixedPrecision):
         old, self._scaler = self._scaler, new
         if old is not None and self._driver.scaler is old:
             self._driver.scaler = new  # the steps read the driver's scaler
+        if new is not None and self.spike_guard is not None:
+            new.spike_guard = self.spike_guard
 
     @property
     def guard(self) -> LossScaler | None:

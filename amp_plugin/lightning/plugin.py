@@ -38,6 +38,7 @@ from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
+from amp_plugin.spike import SpikeGuard, check_spike_guard
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -99,6 +100,9 @@ class AMPPrecision(MixedPrecision):
             instead of in the half ``.grad``, whose every addition rounds to 8 (bf16) or 11 (fp16)
             significant bits; see :mod:`amp_plugin.grad_accumulation`. Single-device strategies
             only: under DDP and the other strategies it is off, with a warning.
+        spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
+            jumps far above its recent history (counted as a skip; the scale does not back off).
+            It is handed to the :attr:`guard`.
 
     Example:
         >>> plugin = AMPPrecision("16-mixed", device="cpu")
@@ -126,8 +130,10 @@ class AMPPrecision(MixedPrecision):
         guard: bool = True,
         fp8: Recipe | Float8 | None = None,
         fp32_grad_accumulation: bool = True,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip, guard)
+        self.spike_guard = check_spike_guard("AMPPrecision", spike_guard, guard)
         if not isinstance(fp32_grad_accumulation, bool):
             fail(
                 "AMPPrecision",
@@ -201,6 +207,8 @@ class AMPPrecision(MixedPrecision):
         guard = self.scaler
         if guard is None and self._guard:  # nothing to scale: a guard that only checks and skips
             guard = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
+        if guard is not None and self.spike_guard is not None:
+            guard.spike_guard = self.spike_guard
         if self._driver is None or self._driver.scaler is not guard:
             self._driver = StepDriver(
                 guard, None if self._half is None else self._half.before_step, self.kernels
@@ -515,6 +523,8 @@ class AMPPrecision(MixedPrecision):
         old, self._scaler = self._scaler, new
         if self._driver is not None and old is not None and self._driver.scaler is old:
             self._driver.scaler = new  # the steps read the driver's scaler
+        if new is not None and self.spike_guard is not None:
+            new.spike_guard = self.spike_guard
 
     @property
     def guard(self) -> LossScaler | None:
