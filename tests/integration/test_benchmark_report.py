@@ -372,3 +372,6 @@ def test_update_clears_a_rerun_benchmark_from_the_failed_line() -> None:
     assert "**Failed**: memory.py, fp8.py (see their sections)." in again
     cleared = REPORT.updated(text, {"memory.py": "## memory\n\nnew\n"}, "cmd", 60.0, header)
     assert "**Failed**" not in cleared
+    assert cleared.count("**Updated**: ") == 2  # fp8's, then memory's
+    redone = REPORT.updated(cleared, {"fp8.py": "## fp8\n\nagain\n"}, "cmd", 60.0, header)
+    assert redone.count("**Updated**: fp8 rerun") == 1 and "**Updated**: memory rerun" in redone
