@@ -65,61 +65,70 @@ def check_config(
         (
             is_number(init_scale) and init_scale >= SCALE_FLOOR,
             f"init_scale={init_scale!r}",
+            "a scale below the smallest normal fp32 (or not finite) cannot scale anything",
             f"a finite number >= {SCALE_FLOOR:g} (the smallest normal fp32)",
             "2.0**16 is usual for fp16.",
         ),
         (
             is_number(growth_factor) and growth_factor > 1,
             f"growth_factor={growth_factor!r}",
+            "a growth factor must make the scale grow",
             "a finite number > 1",
             "2.0 doubles the scale after growth_interval clean steps.",
         ),
         (
             is_number(backoff_factor) and 0 < backoff_factor < 1,
             f"backoff_factor={backoff_factor!r}",
+            "a backoff factor must make the scale shrink",
             "a number in (0, 1)",
             "0.5 halves the scale on overflow.",
         ),
         (
             count(growth_interval),
             f"growth_interval={growth_interval!r}",
+            "it counts clean steps",
             "an int >= 1",
             "2000 is torch's default.",
         ),
         (
             count(hysteresis),
             f"hysteresis={hysteresis!r}",
+            "it counts overflows",
             "an int >= 1",
             "1 backs off on every overflow (torch's behaviour); 2 tolerates one overflow in a row.",
         ),
         (
             min_scale is None or (is_number(min_scale) and min_scale >= SCALE_FLOOR),
             f"min_scale={min_scale!r}",
+            "a floor below the smallest normal fp32 (or not finite) cannot hold the scale",
             f"None or a finite number >= {SCALE_FLOOR:g}",
             "e.g. min_scale=1.0 keeps the scale off 0.",
         ),
         (
             max_scale is None or (is_number(max_scale) and max_scale > 0),
             f"max_scale={max_scale!r}",
+            "a ceiling must be a positive, finite scale",
             "None or a finite number > 0",
             "e.g. max_scale=2.0**24.",
         ),
         (
             low <= high,
             f"min_scale={min_scale!r}, max_scale={max_scale!r}",
+            "min_scale is above max_scale",
             "min_scale <= max_scale",
             "swap the two bounds.",
         ),
         (
             not is_number(init_scale) or low <= init_scale <= high,
             f"init_scale={init_scale!r}",
+            "the first scale must lie within min_scale and max_scale",
             f"a scale within [{low:g}, {high:g}]",
             "pick init_scale between min_scale and max_scale.",
         ),
     ]
-    for ok, got, allowed, hint in rules:
+    for ok, got, why, allowed, hint in rules:
         if not ok:
-            fail(call, passed=got, allowed=allowed, hint=hint)
+            fail(call, passed=got, why=why, allowed=allowed, hint=hint)
 
 
 def check_norm_type(call: str, norm_type: object) -> float:
@@ -129,6 +138,7 @@ def check_norm_type(call: str, norm_type: object) -> float:
         fail(
             call,
             passed=f"norm_type={norm_type!r}",
+            why="a norm's order is a positive number or inf",
             allowed="a number > 0 or inf",
             hint="2.0 is the Euclidean norm.",
         )
@@ -149,6 +159,7 @@ def check_manual_scale(
             fail(
                 call,
                 passed=f"new_scale on {new_scale.device}",
+                why=f"the scaler's state lives on {device.type}",
                 allowed=f"a tensor on {device.type}",
                 hint=hint,
             )
@@ -161,6 +172,7 @@ def check_manual_scale(
         fail(
             call,
             passed=f"new_scale={value!r}",
+            why="the scale must stay finite and within the scaler's bounds",
             allowed=f"a finite scale within [{low:g}, {high:g}]",
             hint=hint,
         )
@@ -174,6 +186,7 @@ def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: A
         fail(
             what,
             passed=f"state_dict={type(state_dict).__qualname__} {state_dict!r:.80}",
+            why="it holds no loss-scaler state",
             allowed="the non-empty dict from LossScaler.state_dict() or torch.amp.GradScaler.state_dict()",
             hint=(
                 "an empty dict comes from a disabled scaler (e.g. a bf16 run); do not load it into an "
@@ -186,6 +199,7 @@ def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: A
         fail(
             what,
             passed=f"state_dict=<not a loss-scaler state: missing keys {missing}, unknown keys {unknown}>",
+            why="it is not a loss scaler's state",
             allowed=f"the keys {list(TORCH_KEYS)} and optionally {list(OWN_KEYS)}",
             hint=(
                 "pass the dict saved by LossScaler.state_dict() or torch.amp.GradScaler.state_dict(), "
@@ -226,6 +240,7 @@ def _corrupt(what: str, got: str, allowed: str) -> None:
     fail(
         what,
         passed=got,
+        why="no LossScaler saves such a value",
         allowed=allowed,
         hint="the state is corrupt; resume from another checkpoint or drop the scaler state.",
     )
@@ -239,11 +254,11 @@ def check_device(device: object) -> str | None:
 def check_kernels(kernels: object) -> Backend:
     name = check_backend(kernels, _CALL, "kernels")
     if name == "apex" and not _imports.apex_available():
-        allowed = f"'apex' only where NVIDIA Apex amp_C imports ({_imports.apex_error()})"
         fail(
             "LossScaler",
             passed="kernels='apex'",
-            allowed=allowed,
+            why=f"NVIDIA Apex amp_C does not import here ({_imports.apex_error()})",
+            allowed="'auto' or 'torch' (or 'apex' where amp_C imports)",
             hint=f"pass kernels='auto', or: {_imports.APEX_HINT}",
             error=RuntimeError,
         )

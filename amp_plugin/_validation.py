@@ -8,7 +8,7 @@ Example:
     >>> check_bool("LossScaler", "enabled", "False")
     Traceback (most recent call last):
     ...
-    TypeError: LossScaler(enabled='False') is not allowed: a bool (True or False). HINT: ...
+    TypeError: LossScaler(enabled='False') is not allowed here: it is a str, not a bool. Allowed: ...
 """
 
 from __future__ import annotations
@@ -32,20 +32,33 @@ __all__ = [
 ]
 
 
-def fail(call: str, *, passed: str, allowed: str, hint: str, error: type[Exception] = ValueError) -> NoReturn:
+def fail(
+    call: str,
+    *,
+    passed: str,
+    why: str | None = None,
+    allowed: str,
+    hint: str,
+    error: type[Exception] = ValueError,
+) -> NoReturn:
     """Raise ``error`` with the project's one message format.
 
-    The message reads ``{call}({passed}) is not allowed: {allowed}. HINT: {hint}``. ``call`` names
-    the entry point; ``passed`` is the argument as passed (``"name=value"``). Everything but
-    ``call`` is a keyword, so a call site reads as the message does.
+    The message reads ``{call}({passed}) is not allowed here: {why}. Allowed: {allowed}. HINT:
+    {hint}``: what was passed, why it cannot be, what can, and the fix. ``call`` is the public
+    name the user called (``"AMPPrecision"``, ``"LossScaler.update"``), never an internal
+    helper's; ``passed`` is the argument as passed (``"name=value"``). ``why`` may be left out
+    only for a ``TypeError`` (it then says "wrong type"). Everything but ``call`` is a keyword, so
+    a call site reads as the message does.
 
     Example:
-        >>> fail("LossScaler", passed="growth_factor=1.0", allowed="a finite number > 1", hint="use 2.0.")
+        >>> fail("LossScaler", passed="min_scale=8.0, max_scale=1.0", why="min_scale is above max_scale",
+        ...      allowed="min_scale <= max_scale", hint="swap the two bounds.")
         Traceback (most recent call last):
         ...
-        ValueError: LossScaler(growth_factor=1.0) is not allowed: a finite number > 1. HINT: use 2.0.
+        ValueError: LossScaler(min_scale=8.0, max_scale=1.0) is not allowed here: min_scale is above ...
     """
-    raise error(f"{call}({passed}) is not allowed: {allowed}. HINT: {hint}")
+    reason = why if why is not None else ("wrong type" if issubclass(error, TypeError) else "invalid")
+    raise error(f"{call}({passed}) is not allowed here: {reason}. Allowed: {allowed}. HINT: {hint}")
 
 
 def is_number(value: object) -> bool:
@@ -69,6 +82,7 @@ def check_bool(call: str, name: str, value: object) -> bool:
         fail(
             call,
             passed=f"{name}={value!r}",
+            why=f"it is a {type(value).__name__}, not a bool",
             allowed="a bool (True or False)",
             hint=(
                 f"pass {name}=True or {name}=False, not the {type(value).__name__} {value!r} "
@@ -103,8 +117,10 @@ def check_number(
     hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
     allowed = ("a finite number " + " and ".join(b for b in (lo, hi) if b)).strip()
     hint = hint or f"pass a plain Python float for {name}."
+    got = f"{name}={value!r}"
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint, error=TypeError)
+        why = f"it is a {type(value).__name__}, not a number"
+        fail(call, passed=got, why=why, allowed=allowed, hint=hint, error=TypeError)
     number = float(value)
     out_of_range = (
         not math.isfinite(number)
@@ -112,7 +128,8 @@ def check_number(
         or (high is not None and (number >= high if high_open else number > high))
     )
     if out_of_range:
-        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint)
+        why = "it is not finite" if not math.isfinite(number) else "it is out of range"
+        fail(call, passed=got, why=why, allowed=allowed, hint=hint)
     return number
 
 
@@ -125,10 +142,12 @@ def check_int(call: str, name: str, value: object, *, low: int | None = None, hi
     """
     allowed = "an int" + ("" if low is None else f" >= {low}")
     hint = hint or f"pass a plain Python int for {name}."
+    got = f"{name}={value!r}"
     if not isinstance(value, int) or isinstance(value, bool):
-        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint, error=TypeError)
+        why = f"it is a {type(value).__name__}, not an int"
+        fail(call, passed=got, why=why, allowed=allowed, hint=hint, error=TypeError)
     if low is not None and value < low:
-        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint)
+        fail(call, passed=got, why=f"it is below {low}", allowed=allowed, hint=hint)
     return value
 
 
@@ -142,7 +161,14 @@ def check_choice(call: str, name: str, value: object, choices: Iterable[object],
     options = tuple(choices)
     if not any(type(value) is type(c) and value == c for c in options):
         allowed = "one of " + ", ".join(map(repr, options))
-        fail(call, passed=f"{name}={value!r}", allowed=allowed, hint=hint or f"pass {name}={options[0]!r}.")
+        why = "it is none of the choices" if len(options) > 1 else "it is not the one choice"
+        fail(
+            call,
+            passed=f"{name}={value!r}",
+            why=why,
+            allowed=allowed,
+            hint=hint or f"pass {name}={options[0]!r}.",
+        )
     return value
 
 
@@ -184,6 +210,7 @@ def check_device_type(call: str, name: str, value: object) -> str:
         fail(
             call,
             passed=got,
+            why=f"it is a {type(value).__name__}, not a device type",
             allowed=f"a str or torch.device whose type has autocast: {types}",
             hint=hint,
             error=TypeError,
@@ -191,10 +218,23 @@ def check_device_type(call: str, name: str, value: object) -> str:
     try:
         device_type = torch.device(value).type
     except RuntimeError:  # torch's message lists every device type it knows, autocast or not
-        fail(call, passed=got, allowed=f"a device type with autocast: {types}", hint=_device_hint(value))
+        why = "torch knows no such device type"
+        fail(
+            call,
+            passed=got,
+            why=why,
+            allowed=f"a device type with autocast: {types}",
+            hint=_device_hint(value),
+        )
     if not torch.amp.is_autocast_available(device_type):
-        allowed = f"autocast is not available for device type {device_type!r}; those with it: {types}"
-        fail(call, passed=got, allowed=allowed, hint=_device_hint(value))
+        why = f"autocast is not available for device type {device_type!r}"
+        fail(
+            call,
+            passed=got,
+            why=why,
+            allowed=f"a device type with autocast: {types}",
+            hint=_device_hint(value),
+        )
     return device_type
 
 
@@ -216,18 +256,24 @@ def check_tensor_scalar(call: str, name: str, value: object, hint: str = "") -> 
         >>> check_tensor_scalar("update", "new_scale", torch.tensor(2.0))
         tensor(2.)
     """
-    ok = (
-        isinstance(value, torch.Tensor)
-        and value.numel() == 1
-        and value.is_floating_point()
-        and not value.requires_grad
+    why = (
+        "it is not a tensor"
+        if not isinstance(value, torch.Tensor)
+        else f"it has {value.numel()} elements"
+        if value.numel() != 1
+        else f"its dtype is {value.dtype}"
+        if not value.is_floating_point()
+        else "it requires grad"
+        if value.requires_grad
+        else None
     )
-    if not ok:
+    if why is not None:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
         got = f"{name}={type(value).__name__}" + ("" if shape is None else f" of shape {shape}")
         fail(
             call,
             passed=got,
+            why=why,
             allowed="a one-element floating-point tensor without requires_grad",
             hint=hint or "pass a float.",
         )

@@ -84,6 +84,7 @@ def _check(accelerator: Any, scaler: LossScaler | None) -> Any:
         fail(
             _CALL,
             passed=f"an Accelerator with mixed_precision={precision!r}",
+            why="only fp16 gradients need a loss scaler",
             allowed="fp16 mixed precision",
             hint=hint,
         )
@@ -92,6 +93,7 @@ def _check(accelerator: Any, scaler: LossScaler | None) -> Any:
         fail(
             _CALL,
             passed=f"an Accelerator with distributed_type={kind}",
+            why=f"{kind} scales or shards the loss itself",
             allowed=("one process or DDP (NO, MULTI_CPU, MULTI_GPU)"),
             hint=(
                 "keep Accelerate's own scaler there (DeepSpeed/Megatron-LM scale the loss "
@@ -110,6 +112,7 @@ def _check(accelerator: Any, scaler: LossScaler | None) -> Any:
         fail(
             _CALL,
             passed="a disabled LossScaler",
+            why="a disabled scaler neither scales nor checks fp16 gradients",
             allowed="an enabled one (fp16 gradients need scaling)",
             hint="build it with enabled=True (and device=None or the accelerator's device type).",
         )
@@ -118,6 +121,7 @@ def _check(accelerator: Any, scaler: LossScaler | None) -> Any:
         fail(
             _CALL,
             passed="an Accelerator after Accelerator.prepare",
+            why="prepare() has wired the old scaler into the prepared optimizers",
             allowed=("one whose models and optimizers are not prepared yet"),
             hint=("call use_loss_scaler(accelerator) right after Accelerator(...), before prepare()."),
             error=RuntimeError,

@@ -15,6 +15,7 @@ import contextlib
 import difflib
 import importlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -34,7 +35,7 @@ from amp_plugin.diagnostics import (
     format_device_report,
     probe_autocast_ops,
 )
-from amp_plugin.diagnostics.fp8_report import format_fp8_report, fp8_report
+from amp_plugin.diagnostics.fp8_report import format_fp8_report, fp8_hardware, fp8_report
 from amp_plugin.fp8 import RECIPES
 
 __all__ = ["load_model", "main"]
@@ -61,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(
             "main",
             passed=f"argv={argv!r:.80}",
+            why="a str would be split into one argument per character" if isinstance(argv, str) else None,
             allowed="None or a list of strings",
             hint=f"{example}.",
             error=TypeError,
@@ -118,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Report versions, devices, Apex and matmul throughput, recommend a precision, "
         "and optionally audit a model for fp16 hazards.",
     )
+    # Here too, so `amp-plugin doctor --version` answers instead of suggesting --json.
+    doctor.add_argument("--version", action="version", version=f"amp_plugin {__version__}")
     doctor.add_argument("--model", metavar="MODULE:FACTORY", help="audit the model that FACTORY() returns")
     doctor.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     doctor.add_argument("--no-measure", action="store_true", help="skip the matmul throughput measurement")
@@ -156,14 +160,46 @@ def _doctor(model_spec: str | None, as_json: bool, measure: bool, ops: bool = Fa
 
 
 def _doctor_fp8(model_spec: str | None, recipe: str, as_json: bool) -> int:
+    if model_spec is None:  # no layers to count: the hardware line, and how to see the layers
+        has, why = fp8_hardware()
+        hint = "add --model MODULE:FACTORY to see which Linear layers fp8 would convert, and their fp8 error"
+        if as_json:
+            print(
+                json.dumps(
+                    {"recipe": recipe, "hardware": {"fp8": has, "detail": why}, "layers": None}, indent=2
+                )
+            )
+        else:
+            print(f"fp8 (recipe {recipe})\n  fp8 hardware: {why}\n  HINT: {hint}")
+        return 0
     try:
-        model = load_model(model_spec) if model_spec is not None else nn.Sequential()
-        report = fp8_report(model, recipe)
+        model = load_model(model_spec)
+        with _quiet_torchao_import():
+            report = fp8_report(model, recipe)
     except (ValueError, TypeError, ImportError, RuntimeError) as err:
         print(f"amp-plugin doctor: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if as_json else format_fp8_report(report))
     return 0
+
+
+# Loggers whose import-time warnings say nothing about the user's model: torchao's optional CUDA
+# extensions that do not load on this machine, and torch's notice about torchao's enum registration.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def _quiet_torchao_import() -> Iterator[None]:
+    """Silence the import-time warnings of :data:`_IMPORT_NOISE` for the doctor's run; levels are restored."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _probe_ops() -> list[AutocastOps]:

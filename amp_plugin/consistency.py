@@ -148,6 +148,7 @@ def _validated_check_args(scaler: Any, parameters: Any) -> tuple[dict[str, Any] 
         fail(
             "check_consistency",
             passed="scaler=None, parameters=None",
+            why="with neither there is nothing to compare",
             allowed="a LossScaler, parameters, or both (with neither there is nothing to compare)",
             hint="pass the scaler and the (replicated) model.",
         )

@@ -92,6 +92,7 @@ def _check_flag(call: str, name: str, value: object) -> None:
         fail(
             call,
             passed=got,
+            why="it is not a one-element floating-point tensor",
             allowed="a one-element floating-point tensor",
             hint="pass the 0-dim fp32 tensor the kernels return.",
         )
@@ -174,6 +175,7 @@ def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -
         fail(
             "global_norm",
             passed=f"norm_type={norm_type!r}",
+            why="it is not a norm order",
             allowed="a number, inf or -inf included",
             hint="pass the norm_type given to clip_grad_norm_, e.g. 2.0.",
             error=ValueError if isinstance(norm_type, float) else TypeError,

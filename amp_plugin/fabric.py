@@ -47,6 +47,7 @@ from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
+from amp_plugin.spike import SpikeGuard, check_spike_guard
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -70,9 +71,14 @@ class AMPPrecision(MixedPrecision):
         fp32_modules: module classes whose forward runs in fp32 with autocast off.
         guard: skip every step whose loss or gradients hold an inf/NaN, in every precision;
             ``False`` turns it off where no loss scaler runs.
+        spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
+            jumps far above its recent history (counted as a skip; the scale does not back off).
         master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
             optimizer step fp32 master copies (Apex's O2); the model's ``state_dict`` (and so
             ``fabric.save``) holds the fp32 values.
+            ``"remainder"`` (with ``"bf16-mixed"``) keeps the same exact fp32 masters as the bf16
+            weights plus an int16 remainder each: 2 bytes per parameter less (see
+            :mod:`amp_plugin.master_weights`).
         keep_fp32: module classes whose weights stay fp32 when the model is cast; default: the
             normalization layers with master weights, nothing with "-true" precisions.
         rounding: how updates are written into "-true" weights: ``"nearest"``, ``"stochastic"``
@@ -97,7 +103,6 @@ class AMPPrecision(MixedPrecision):
         amp_plugin.fabric.AMPPrecision('16-mixed')
     """
 
-    scaler: LossScaler | None  # type: ignore[assignment]  # MixedPrecision's is a GradScaler
     precision: PrecisionName  # type: ignore[assignment]  # MixedPrecision's Literal has only "-mixed"
 
     def __init__(  # MixedPrecision.__init__ is not called: it takes only "-mixed" and builds a GradScaler
@@ -108,14 +113,16 @@ class AMPPrecision(MixedPrecision):
         kernels: Backend = "auto",
         fp32_modules: Sequence[type[nn.Module]] = (),
         guard: bool = True,
-        master_weights: bool = False,
+        master_weights: bool | Literal["remainder"] = False,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
         rounding_seed: int = 0,
         lr_on_skip: Literal["hold", "advance"] = "hold",
         fp8: Recipe | Float8 | None = None,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, "auto", lr_on_skip, guard)
+        self.spike_guard = check_spike_guard("AMPPrecision (Fabric)", spike_guard, guard)
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
         self.fp8 = check_fp8_request("AMPPrecision (Fabric)", fp8, precision, master_weights)
         self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
@@ -129,7 +136,7 @@ class AMPPrecision(MixedPrecision):
             scaler = LossScaler(kernels=self.kernels)
         # What Fabric's MixedPrecision sets up (its ThroughputMonitor reads the input dtype).
         self.precision = name  # type: ignore[assignment]  # resolve_settings returns a precision name
-        self.device, self.scaler = device_type, scaler
+        self.device, self._scaler = device_type, scaler
         _compat.set_fabric_input_dtype(self, dtype)  # what Fabric's ThroughputMonitor reads
         self.requested, self.dtype = precision, dtype
         self.master_weights, self.rounding, self.lr_on_skip = master_weights, rounding, lr_on_skip
@@ -140,6 +147,8 @@ class AMPPrecision(MixedPrecision):
         )
         if scaler is None and guard:  # bf16/fp32: nothing to scale, but every step is still checked
             scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
+        if scaler is not None and self.spike_guard is not None:
+            scaler.spike_guard = self.spike_guard
         self._driver = StepDriver(
             scaler, None if self._half is None else self._half.before_step, self.kernels
         )
@@ -217,17 +226,24 @@ class AMPPrecision(MixedPrecision):
         return self.tensor_init_context()
 
     @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        """Autocast for the forward pass (off for "32-true"); "-true" also switches the default dtype."""
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """Autocast for the forward pass (off for "32-true"); "-true" also switches the default dtype.
+
+        A ``torch.autocast`` itself (as Fabric's ``MixedPrecision`` returns), except under "-true",
+        where the default dtype switches with it.
+
+        Example:
+            >>> isinstance(AMPPrecision("bf16-mixed", device="cpu").forward_context(), torch.autocast)
+            True
+        """
         if self.dtype == torch.float32:
             autocast = torch.autocast(self.device, enabled=False)
         else:
             # cache_enabled=False, as in the Trainer plugin: ``fabric.autocast()`` may span a no_grad
             # forward and a later one with grad, and a cached weight cast would carry no history.
             autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
-        with autocast, self.tensor_init_context():
-            yield
+        half = true_dtype(self.precision)
+        return autocast if half is None else _both(autocast, default_dtype(half))
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -269,6 +285,7 @@ class AMPPrecision(MixedPrecision):
         fail(
             "AMPPrecision(master_weights=True)",
             passed=f"a second model ({type(module).__name__}) to fabric.setup",
+            why="this plugin keeps fp32 masters for one model only",
             allowed=f"one model per plugin: the fp32 masters belong to the first ({type(first).__name__})",
             hint=(
                 "set up the models as one module, e.g. fabric.setup(nn.ModuleDict({'g': g, 'd': d}), "
@@ -312,6 +329,7 @@ class AMPPrecision(MixedPrecision):
                 fail(
                     "AMPPrecision.attach",
                     passed=f"optimizer={type(opt).__name__} before the model was set up",
+                    why="the model is not set up yet",
                     allowed="attaching optimizers once fabric.setup(model, ...) has cast the model",
                     hint="call precision.attach(optimizer) after fabric.setup.",
                     error=RuntimeError,
@@ -347,6 +365,7 @@ class AMPPrecision(MixedPrecision):
         fail(
             "AMPPrecision(master_weights=True).attach",
             passed=f"optimizer={type(opt).__name__} with state for the model's half parameters",
+            why="the optimizer already has state for the half parameters",
             allowed=(
                 "an optimizer without state until it steps the fp32 masters (state loaded by fabric.load "
                 f"into the half parameters was rounded to {self.dtype})"
@@ -400,6 +419,32 @@ class AMPPrecision(MixedPrecision):
             guard.unscale_(optimizer)
 
     # -- what a Fabric loop reads ------------------------------------------------------------------
+
+    @property  # type: ignore[override]  # MixedPrecision's is a GradScaler attribute
+    def scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler (``None`` for the other precisions).
+
+        Assigning one between steps (``precision.scaler = LossScaler(...)``) makes the steps use it:
+        it is also the :attr:`guard`. A ``torch.amp.GradScaler`` is converted, as in the constructor.
+        Refused (``TypeError``/``ValueError``, nothing changed): anything else, a scaler for a
+        precision without loss scaling, ``None`` for fp16.
+
+        Example:
+            >>> plugin = AMPPrecision("16-mixed", device="cpu")
+            >>> plugin.scaler = LossScaler("cpu", init_scale=8.0)
+            >>> plugin.guard is plugin.scaler, plugin.scaler.get_scale()
+            (True, 8.0)
+        """
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: LossScaler | torch.amp.GradScaler | None) -> None:
+        new = checks.assigned_scaler("AMPPrecision (Fabric)", self.precision, self.dtype, scaler)
+        old, self._scaler = self._scaler, new
+        if old is not None and self._driver.scaler is old:
+            self._driver.scaler = new  # the steps read the driver's scaler
+        if new is not None and self.spike_guard is not None:
+            new.spike_guard = self.spike_guard
 
     @property
     def guard(self) -> LossScaler | None:
@@ -541,6 +586,14 @@ def _repoint(opt: Optimizer, replaced: dict[Tensor, Tensor]) -> None:
         group["params"] = [replaced.get(p, p) for p in group["params"]]
     for old in [p for p in opt.state if p in replaced]:
         opt.state[replaced[old]] = opt.state.pop(old)
+
+
+@contextmanager
+def _both(
+    first: AbstractContextManager[Any], second: AbstractContextManager[Any]
+) -> Generator[None, None, None]:
+    with first, second:
+        yield
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:

@@ -100,7 +100,7 @@ class Float8:
         >>> Float8("blockwise")
         Traceback (most recent call last):
         ...
-        ValueError: Float8(recipe='blockwise') is not allowed: one of 'tensorwise', ... HINT: ...
+        ValueError: Float8(recipe='blockwise') is not allowed here: it is none of the choices. ...
     """
 
     recipe: Recipe = "tensorwise"
@@ -118,7 +118,8 @@ class Float8:
             fail(
                 "Float8",
                 passed=f"recipe={self.recipe!r}, all_gather=True",
-                allowed="all_gather=True with recipe='tensorwise' (the only fp8 all-gather torchao has)",
+                why="torchao all-gathers in fp8 only for the tensorwise recipe",
+                allowed="all_gather=True with recipe='tensorwise' only",
                 hint="use recipe='tensorwise', or drop all_gather.",
             )
         flt = self.filter
@@ -214,8 +215,9 @@ class Float8Report:
             f"{done:,} of {self.linear_parameters:,} Linear parameters ({share:.1%})"
         ]
         if self.left_out:
-            shown = ", ".join(f"{c.name} ({c.reason})" for c in self.left_out[:8])
-            more = len(self.left_out) - 8
+            # Three by name keeps the line readable in a terminal; the doctor's table lists them all.
+            shown = ", ".join(f"{c.name} ({c.reason})" for c in self.left_out[:3])
+            more = len(self.left_out) - 3
             lines.append(f"  left out: {shown}" + (f", and {more} more" if more > 0 else ""))
         return "\n".join(lines)
 
@@ -236,27 +238,30 @@ def check_fp8_request(
         >>> check_fp8_request("AMPPrecision", "tensorwise", "16-mixed")
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision(precision='16-mixed', fp8='tensorwise') is not allowed: ... HINT: ...
+        ValueError: AMPPrecision(precision='16-mixed', fp8='tensorwise') is not allowed here: fp8 runs ...
     """
     spec = Float8.of(fp8, call)
     if spec is None:
         return None
     shown = repr(fp8) if isinstance(fp8, str) else f"Float8({spec.recipe!r}, ...)"
+    # The missing package first: a user who fixes the precision should not then learn of torchao.
+    require_torchao(f"{call}(fp8={shown})")
     if precision != "bf16-mixed":
         fail(
             call,
             passed=f"precision={precision!r}, fp8={shown}",
-            allowed="fp8 with precision='bf16-mixed' (the layers outside fp8 run under bf16 autocast)",
+            why="fp8 runs inside bf16 autocast",
+            allowed="precision='bf16-mixed' with fp8 (the layers outside fp8 run under bf16 autocast)",
             hint="use precision='bf16-mixed' together with fp8=... (fp8 hardware always has bf16).",
         )
-    if master_weights is True:
+    if master_weights is True or master_weights == "remainder":
         fail(
             call,
-            passed=f"fp8={shown}, master_weights=True",
-            allowed="fp8 with fp32 weights (torchao keeps the fp32 weights and casts them per matmul)",
+            passed=f"fp8={shown}, master_weights={master_weights!r}",
+            why="torchao keeps the fp32 weights and casts them per matmul: they are the masters",
+            allowed="fp8 with master_weights=False (the default)",
             hint="drop master_weights: the fp32 weights are the masters already.",
         )
-    require_torchao(f"{call}(fp8={shown})")
     return spec
 
 
@@ -357,6 +362,7 @@ def _check_named_filter(spec: Float8, linears: dict[str, nn.Linear], in_fp32: di
         fail(
             "Float8",
             passed=f"filter={sorted(spec.filter)!r:.80}",
+            why=f"the model has no nn.Linear named {unknown[0]!r}",
             allowed=f"names of the model's nn.Linear layers; not one: {unknown[:5]}",
             hint="use the names of model.named_modules() (e.g. 'blocks.0.mlp.fc1'), or a predicate.",
         )
@@ -366,6 +372,7 @@ def _check_named_filter(spec: Float8, linears: dict[str, nn.Linear], in_fp32: di
         fail(
             "Float8",
             passed=f"filter={sorted(spec.filter)!r:.80}",
+            why=f"{odd[0]!r} cannot run in fp8 ({reasons[odd[0]]})",
             allowed=(
                 f"plain nn.Linear layers whose in/out features are multiples of {FP8_MULTIPLE}, "
                 f"outside fp32_modules; not so: {odd[:5]} ({reasons[odd[0]]})"
@@ -432,7 +439,8 @@ def _check_not_sharded(model: nn.Module, names: list[str]) -> None:
         fail(
             "convert",
             passed=f"a model whose Linear layers are sharded already ({', '.join(sharded[:3])}, ...)",
-            allowed="layers converted to fp8 before fully_shard (FSDP2) shards them",
+            why="torchao must swap the layers before fully_shard wraps their weights",
+            allowed="a model converted to fp8 before fully_shard (FSDP2) shards it",
             hint=(
                 "call amp_plugin.fp8.convert(model, spec) before fully_shard; in a LightningModule's "
                 "configure_model, before its fully_shard calls, with the spec given to AMPPrecision(fp8=...) "

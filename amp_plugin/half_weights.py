@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_plugin.master_weights import NORM_LAYERS, MasterWeights, cast_model
+from amp_plugin.grad_accumulation import Fp32GradAccumulation
+from amp_plugin.master_weights import NORM_LAYERS, MasterMode, MasterWeights, cast_model
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.rounded_updates import RoundedUpdates, Rounding
 
@@ -30,7 +31,8 @@ class HalfWeights:
 
     Args:
         master_weights: keep fp32 masters that the optimizer steps ("-mixed" precisions);
-            ``False`` holds the weights in half only ("-true" precisions).
+            ``"remainder"`` keeps them as bf16 weights plus int16 remainders; ``False`` holds the
+            weights in half only ("-true" precisions).
         keep_fp32: module classes whose tensors stay fp32; ``None`` means the normalization
             layers with master weights and nothing without (as Lightning's "-true" and Apex's O3).
         rounding: how updates are written into half weights without masters.
@@ -46,7 +48,7 @@ class HalfWeights:
 
     def __init__(
         self,
-        master_weights: bool,
+        master_weights: MasterMode,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         rounding: Rounding = "nearest",
         seed: int = 0,
@@ -60,12 +62,16 @@ class HalfWeights:
         self._rounders: dict[int, RoundedUpdates] = {}  # in attach order
         self._rng_states: list[Any] = []  # loaded before the optimizers exist
         self._module: weakref.ref[nn.Module] | None = None
+        self._accumulation: Fp32GradAccumulation | None = None  # while accumulate_in_fp32(True)
+        self._flush_pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (half param, where its sum goes)
 
     def __getstate__(self) -> dict[str, Any]:
         # A spawned process gets a pickled copy: a weak reference does not pickle, the model does (it
         # travels in the same pickle as a rule, so the copy knows its copy of the model as converted).
         state = dict(self.__dict__)
         state["_module"] = None if self._module is None else self._module()
+        # Hooks on the parameters do not travel: the copy's adapter turns accumulation on again.
+        state["_accumulation"], state["_flush_pairs"] = None, []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -97,8 +103,38 @@ class HalfWeights:
                         rounder.load_state_dict(self._rng_states[len(self._rounders)])
                     self._rounders[id(opt)] = rounder
 
+    def accumulate_in_fp32(self, enabled: bool) -> None:
+        """Add micro-batch gradients up in fp32 (``True``) or in the half ``.grad`` (``False``).
+
+        Turn it on where several backward passes run per optimizer step (gradient accumulation):
+        each trainable half parameter's gradient then moves into an fp32 sum after every backward
+        (4 bytes per parameter, held until the step; see :mod:`amp_plugin.grad_accumulation`), and
+        :meth:`before_step` hands the step the sum: as the masters' fp32 ``.grad``, or rounded once
+        into the half ``.grad`` without masters. Call it after :meth:`convert`.
+        """
+        if self._accumulation is not None:
+            self._accumulation.remove()
+            self._accumulation, self._flush_pairs = None, []
+        module = self._module() if self._module is not None else None
+        if not enabled or module is None:
+            return
+        params = list(module.parameters())
+        self._accumulation = Fp32GradAccumulation(params)
+        masters = self.masters if self.master_weights else None
+        for param in params:
+            master = masters.master_of(param) if masters is not None else None
+            self._flush_pairs.append((param, master if master is not None else param))
+
+    def flush_gradients(self, optimizer: Any) -> None:
+        """Hand ``optimizer``'s parameters their fp32 gradient sums (no-op unless accumulating)."""
+        if self._accumulation is None or not self._accumulation.pending():
+            return
+        stepped = {id(p) for group in unwrap_optimizer(optimizer).param_groups for p in group["params"]}
+        self._accumulation.flush_([pair for pair in self._flush_pairs if id(pair[1]) in stepped])
+
     def before_step(self, optimizer: Any) -> None:
-        """Move the half gradients into the masters (no-op without masters)."""
+        """Hand over the fp32 gradient sums, then move the half gradients into the masters."""
+        self.flush_gradients(optimizer)
         if self.master_weights and self.masters is not None:
             self.masters.grads_to_master(optimizer)
 
@@ -106,8 +142,9 @@ class HalfWeights:
         """Undo :meth:`attach` (the model stays in half precision, its masters with it).
 
         The rounding generators' states are kept: a checkpoint saved after ``fit`` holds them, and
-        a later :meth:`attach` continues from them.
+        a later :meth:`attach` continues from them. fp32 accumulation is turned off.
         """
+        self.accumulate_in_fp32(False)
         if self.masters is not None:
             self.masters.detach()
         if self._rounders:

@@ -15,15 +15,25 @@ the optimizer, its state and any loss scaler only ever see fp32 tensors. Per ste
 3. the optimizer steps the masters; a step hook copies them back into the model in one pass.
 
 A skipped step never calls the optimizer, so master, model and optimizer state stay
-bit-identical. The optimizer's ``zero_grad`` also clears the model's half gradients. Plain
-torch: nothing here imports Lightning.
+bit-identical. The optimizer's ``zero_grad`` also clears the model's half gradients.
+
+``cast_model(model, torch.bfloat16, master_weights="remainder")`` keeps the same fp32 masters
+without storing them: an fp32 value is its bf16 high half plus 16 low bits, so beside each bf16
+parameter ``b`` an int16 remainder ``r`` holds the rest, and the master's bits are exactly
+``(bits(b) << 16) + r`` (Transformer Engine's ``store_param_remainders`` scheme). The split
+rounds the high half up when the low bits are ``>= 0x8000``, so the model's weight is the master
+rounded to the nearest bf16 with ties away from zero (round-to-nearest-even would need 17 bits:
+65537 fp32 values round to an even bf16). The master parameters the optimizer steps keep their
+identity (optimizer state stays keyed by them) but hold their fp32 values only during
+``optimizer.step()``: a step pre-hook rebuilds them from ``(b, r)`` and releases ``r``, the
+post-hook splits them back and releases them. Plain torch: nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +44,18 @@ from amp_plugin._validation import fail
 from amp_plugin.fp32_policy import check_module_classes
 from amp_plugin.optim import unwrap_optimizer
 
-__all__ = ["NORM_LAYERS", "MasterWeights", "NormLayer", "cast_model", "check_half_dtype", "masters_of"]
+__all__ = [
+    "NORM_LAYERS",
+    "MasterWeights",
+    "NormLayer",
+    "cast_model",
+    "check_half_dtype",
+    "check_master_weights",
+    "masters_of",
+]
+
+#: What ``master_weights=`` takes: fp32 masters (``True``), none (``False``), or bf16 plus a remainder.
+MasterMode = bool | Literal["remainder"]
 
 _TORCH_NORMS: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
@@ -101,6 +122,45 @@ def check_half_dtype(call: str, dtype: object) -> torch.dtype:
     return dtype  # type: ignore[return-value,unused-ignore]
 
 
+def check_master_weights(call: str, master_weights: object, dtype: object | None = None) -> MasterMode:
+    """``master_weights`` if it is ``True``, ``False`` or ``"remainder"`` (only with bf16); else raise.
+
+    Another value raises ``TypeError`` (a string such as ``"False"`` is truthy); ``"remainder"``
+    with fp16 raises ``ValueError``.
+
+    ``dtype`` is the half dtype the model will be cast to, where it is known (``None``: not yet).
+
+    Example:
+        >>> check_master_weights("cast_model", "remainder", torch.bfloat16)
+        'remainder'
+        >>> check_master_weights("cast_model", "remainder", torch.float16)
+        Traceback (most recent call last):
+        ...
+        ValueError: cast_model(master_weights='remainder' with torch.float16) is not allowed here: ...
+    """
+    remainder = isinstance(master_weights, str) and master_weights == "remainder"
+    if not (remainder or master_weights is True or master_weights is False):
+        fail(
+            call,
+            passed=f"master_weights={master_weights!r}",
+            allowed="a bool (True or False) or 'remainder'",
+            hint="pass master_weights=True for fp32 masters, or 'remainder' for bf16 plus 16-bit remainders.",
+            error=TypeError,
+        )
+    if master_weights == "remainder" and dtype is not None and dtype != torch.bfloat16:
+        fail(
+            call,
+            passed=f"master_weights='remainder' with {dtype}",
+            why=f"an fp32 value is a bf16 value plus 16 bits, not a {dtype} value plus 16 bits",
+            allowed="master_weights='remainder' with torch.bfloat16 only",
+            hint=(
+                "use bf16 ('bf16-mixed'), or master_weights=True for fp16: an fp16 value and 16 more bits "
+                "cannot hold an fp32 master exactly (fp16 has fewer exponent bits)."
+            ),
+        )
+    return master_weights  # type: ignore[return-value]
+
+
 class MasterWeights:
     """fp32 masters of a half model's trainable parameters; made by :func:`cast_model`.
 
@@ -108,6 +168,9 @@ class MasterWeights:
         dtype: the model's half dtype.
         names: for each master, every name its half parameter has in ``model.state_dict()``
             (tied weights have several).
+        remainder: the masters are held as int16 remainders beside the bf16 parameters and
+            hold their fp32 values only during ``optimizer.step()`` (read them with
+            :meth:`values`); ``False``: they are ordinary fp32 tensors.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
@@ -121,12 +184,22 @@ class MasterWeights:
         (torch.float16, torch.float32)
     """
 
-    def __init__(self, pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], names: dict[int, list[str]]):
+    def __init__(
+        self,
+        pairs: Sequence[tuple[nn.Parameter, nn.Parameter]],
+        names: dict[int, list[str]],
+        remainders: Sequence[Tensor] | None = None,
+    ):
         self._pairs = list(pairs)  # (half model parameter, fp32 master)
         self._master_of = {id(half): master for half, master in self._pairs}
         self._half_of = {id(master): half for half, master in self._pairs}
         self.names = {id(master): names.get(id(half), []) for half, master in self._pairs}
         self.dtype = self._pairs[0][0].dtype if self._pairs else torch.float16
+        self.remainder = remainders is not None
+        # Remainder mode: id(master) -> its int16 remainder while packed; None while the master is live.
+        self._rest: dict[int, Tensor | None] = {}
+        if remainders is not None:
+            self._rest = {id(master): r for (_, master), r in zip(self._pairs, remainders, strict=True)}
         self._attached: dict[int, tuple[Optimizer, list[RemovableHandle], Any]] = {}
         self._module_hooks: list[RemovableHandle] = []
 
@@ -134,24 +207,64 @@ class MasterWeights:
         # A deep copy or pickle of the model copies its masters through the state_dict hooks; the
         # id-keyed tables are rebuilt for the copies, and a copy is attached to no optimizer.
         names = [self.names[id(master)] for _, master in self._pairs]
-        return {"pairs": self._pairs, "names": names, "hooks": self._module_hooks}
+        rest = [self._rest[id(master)] for _, master in self._pairs] if self.remainder else None
+        return {"pairs": self._pairs, "names": names, "hooks": self._module_hooks, "remainders": rest}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pairs = state["pairs"]
         names = {id(half): names for (half, _), names in zip(pairs, state["names"], strict=True)}
-        self.__init__(pairs, names)  # type: ignore[misc]
+        rest = state.get("remainders")
+        self.__init__(pairs, names, None if rest is None else [torch.empty(0) for _ in pairs])  # type: ignore[misc]
+        if rest is not None:  # a master that was live when copied stays live (its remainder is None)
+            self._rest = {id(master): r for (_, master), r in zip(pairs, rest, strict=True)}
         self._module_hooks = state["hooks"]
 
     def master_of(self, param: Tensor) -> nn.Parameter | None:
         """The fp32 master of the model parameter ``param``, ``None`` if it has none."""
         return self._master_of.get(id(param))
 
+    def value_of(self, param: Tensor) -> Tensor | None:
+        """The fp32 master value of the model parameter ``param`` (a rebuilt copy with remainders)."""
+        master = self._master_of.get(id(param))
+        return None if master is None else self._value(self._half_of[id(master)], master)
+
     def __len__(self) -> int:
         return len(self._pairs)
 
     def masters(self) -> Iterator[nn.Parameter]:
-        """The fp32 master parameters, in the model's parameter order."""
+        """The fp32 master parameters, in the model's parameter order.
+
+        With remainders their values exist only during ``optimizer.step()`` (outside it they read
+        as NaN and cannot be written); :meth:`values` gives the values at any time.
+        """
         return (master for _, master in self._pairs)
+
+    def remainders(self) -> list[Tensor]:
+        """The int16 remainders that hold the masters' low bits (empty without remainders).
+
+        A master that is live (inside ``optimizer.step()``) has none: its fp32 tensor holds the value.
+        """
+        return [rest for rest in self._rest.values() if rest is not None]
+
+    @torch.no_grad()
+    def values(self) -> list[Tensor]:
+        """The fp32 master values, in the model's parameter order (remainders: rebuilt copies).
+
+        Example:
+            >>> model = nn.Linear(2, 1)
+            >>> masters = cast_model(model, torch.bfloat16, master_weights="remainder")
+            >>> torch.equal(masters.values()[0], model.state_dict()["weight"])
+            True
+        """
+        return [self._value(half, master) for half, master in self._pairs]
+
+    def _value(self, half: Tensor, master: Tensor) -> Tensor:
+        rest = self._rest.get(id(master)) if self.remainder else None
+        if rest is None:
+            return master.detach()
+        value = torch.empty_like(half, dtype=torch.float32)
+        _join_into(value, half, rest)
+        return value
 
     # -- the optimizer ---------------------------------------------------------------------------
 
@@ -170,7 +283,10 @@ class MasterWeights:
         for half, master in self._pairs:
             if half in opt.state:
                 opt.state[master] = opt.state.pop(half)
+        self._follow_devices()
         handles = [opt.register_step_post_hook(lambda o, args, kwargs: self.master_to_model(o))]
+        if self.remainder:
+            handles.insert(0, opt.register_step_pre_hook(lambda o, args, kwargs: self._unpack(self._own(o))))
         had_own = "zero_grad" in vars(opt)
         own = vars(opt).get("zero_grad")
         inner = opt.zero_grad
@@ -236,7 +352,8 @@ class MasterWeights:
             if grad.is_sparse or (master.grad is not None and master.grad.is_sparse):
                 master.grad = grad.to(master.dtype) if master.grad is None else master.grad + grad
             elif master.grad is None:
-                master.grad = torch.empty_like(master, memory_format=torch.preserve_format)
+                like = half if self.remainder else master  # a packed master's own data is a stand-in
+                master.grad = torch.empty_like(like, dtype=master.dtype, memory_format=torch.preserve_format)
                 copy_to.append(master.grad)
                 copy_from.append(grad)
             else:
@@ -250,10 +367,60 @@ class MasterWeights:
 
     @torch.no_grad()
     def master_to_model(self, optimizer: Any | None = None) -> None:
-        """Copy (round to nearest) the fp32 masters into the model's half parameters, one pass."""
+        """Copy (round to nearest) the fp32 masters into the model's half parameters, one pass.
+
+        With remainders: split each live master into its bf16 parameter and remainder, exactly,
+        and release the master's fp32 storage.
+        """
         pairs = self._own(optimizer)
-        if pairs:
+        if self.remainder:
+            self._pack(pairs)
+        elif pairs:
             torch._foreach_copy_([h.data for h, _ in pairs], [m.data for _, m in pairs])
+
+    def _unpack(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+        """Give each packed master its fp32 value, ``(bits(b) << 16) + r``; release ``r``.
+
+        One tensor at a time, so that the step's peak holds one remainder and one master at most
+        beside the others. A master that is live already (a step that raised half-way) keeps its values.
+        """
+        with torch.no_grad():
+            for half, master in pairs:
+                rest = self._rest[id(master)]
+                if rest is None:
+                    continue
+                value = torch.empty_like(half.data, dtype=torch.float32)
+                _join_into(value, half.data, rest)
+                master.data = value
+                self._rest[id(master)] = None
+
+    def _pack(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+        """Split each live master into its bf16 parameter and a new remainder; release the master."""
+        with torch.no_grad():
+            for half, master in pairs:
+                if self._rest[id(master)] is not None:
+                    continue
+                rest = torch.empty_like(half.data, dtype=torch.int16)
+                _split_into(half.data, rest, master.data)
+                self._rest[id(master)] = rest
+                master.data = _stand_in(half)
+
+    @torch.no_grad()
+    def _follow_devices(self) -> None:
+        """Move masters (or remainders) that are not on their parameter's device to it.
+
+        Lightning's strategies cast the model, then move it; the optimizer is attached after
+        that, so the masters, their gradients and the optimizer state live where the model does.
+        """
+        for half, master in self._pairs:
+            if master.device == half.device:
+                continue
+            rest = self._rest.get(id(master))
+            if rest is not None:
+                self._rest[id(master)] = rest.to(half.device)
+                master.data = _stand_in(half)
+            else:
+                master.data = master.data.to(half.device)
 
     def _zero_half_grads(self, optimizer: Optimizer, set_to_none: bool) -> None:
         for half, _ in self._own(optimizer):
@@ -306,6 +473,7 @@ class MasterWeights:
                 fail(
                     "MasterWeights.load_state_dict",
                     passed=f"{prefix}{names[0]}={_describe(value)}",
+                    why="it does not fit this model's parameter",
                     allowed=f"a tensor of shape {tuple(master.shape)}",
                     hint="load a checkpoint of this model.",
                 )
@@ -314,16 +482,39 @@ class MasterWeights:
 
     @torch.no_grad()
     def _report(self, state_dict: dict[str, Any], prefix: str) -> None:
-        for _, master in self._pairs:
-            for name in self.names[id(master)]:
-                key = prefix + name
-                if key in state_dict:  # a Parameter there means state_dict(keep_vars=True)
-                    state_dict[key] = master if isinstance(state_dict[key], nn.Parameter) else master.detach()
+        for half, master in self._pairs:
+            keys = [prefix + name for name in self.names[id(master)] if prefix + name in state_dict]
+            if not keys:
+                continue
+            if self.remainder:  # no live tensor holds the value: a rebuilt copy, even for keep_vars=True
+                value = self._value(half, master)
+                for key in keys:
+                    state_dict[key] = value
+                continue
+            for key in keys:  # a Parameter there means state_dict(keep_vars=True)
+                state_dict[key] = master if isinstance(state_dict[key], nn.Parameter) else master.detach()
 
     @torch.no_grad()
     def _load(self, state_dict: dict[str, Any], prefix: str) -> None:
-        for master, value in self.check_fp32_state_dict(state_dict, prefix):
-            master.copy_(value)
+        updates = self.check_fp32_state_dict(state_dict, prefix)
+        if not self.remainder:
+            for master, value in updates:
+                master.copy_(value)
+            return
+        for master, value in updates:
+            half = self._half_of[id(master)]
+            fp32 = value.detach().to(device=half.device, dtype=torch.float32)
+            if self._rest[id(master)] is None:  # live (loaded from inside a step): the master takes it
+                master.copy_(fp32)
+                continue
+            rest = torch.empty_like(half.data, dtype=torch.int16)
+            high = torch.empty_like(half.data)
+            _split_into(high, rest, fp32.clone())
+            self._rest[id(master)] = rest
+            # torch's own load then copies this bf16 high half (not a round-to-nearest-even) in.
+            for name in self.names[id(master)]:
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = high
 
 
 class _ModuleHooks:
@@ -358,6 +549,39 @@ def masters_of(module: nn.Module) -> MasterWeights | None:
     return found
 
 
+def _join_into(out: Tensor, high: Tensor, rest: Tensor) -> None:
+    """``out`` (fp32) = the value whose bits are ``(bits(high) << 16) + rest``, in int32 arithmetic.
+
+    ``high`` is bf16, ``rest`` int16 (the low 16 bits as a signed number); any strides.
+    """
+    bits = out.view(torch.int32)
+    bits.copy_(rest)  # sign-extended: a negative remainder borrows from the high half
+    bits.add_(high.view(torch.int16), alpha=1 << 16)  # |bits(high) * 2**16| <= 2**31: fits
+
+
+def _split_into(high: Tensor, rest: Tensor, value: Tensor) -> None:
+    """Write fp32 ``value`` as bf16 ``high`` and int16 ``rest`` so that :func:`_join_into` restores it.
+
+    ``high`` takes the top 16 bits, plus one when the low 16 bits are ``>= 0x8000`` (the value
+    rounded to the nearest bf16, ties away from zero: adding one to the bits of a sign-magnitude
+    number moves it away from zero); ``rest`` takes the low 16 bits minus ``0x10000`` in that case,
+    so that it fits in int16. ``value`` is overwritten (it is the master being released).
+    """
+    bits = value.view(torch.int32)
+    top = bits + (1 << 15)  # the carry into the high half when the low half is >= 0x8000
+    top.bitwise_right_shift_(16)  # arithmetic shift: the bf16 bits, as a signed number
+    high.view(torch.int16).copy_(top)
+    bits.sub_(top, alpha=1 << 16)  # what is left: in [-0x8000, 0x7FFF]
+    rest.copy_(bits)
+    # Only a NaN whose top 16 bits are all ones (0x7FFF/0xFFFF) and low half >= 0x8000 wraps; the
+    # join still restores its bits, but the bf16 weight shows a zero instead of NaN.
+
+
+def _stand_in(half: Tensor) -> Tensor:
+    """What a packed master holds: one fp32 NaN broadcast to its shape (reads show NaN, writes raise)."""
+    return torch.full((), float("nan"), dtype=torch.float32, device=half.device).expand(half.shape)
+
+
 def _describe(value: object) -> str:
     if isinstance(value, Tensor):
         return f"tensor of shape {tuple(value.shape)}"
@@ -378,7 +602,7 @@ def cast_model(
     module: nn.Module,
     dtype: torch.dtype,
     keep_fp32: Sequence[type[nn.Module]] = NORM_LAYERS,
-    master_weights: bool = True,
+    master_weights: MasterMode = True,
 ) -> MasterWeights:
     """Cast ``module``'s floating parameters and persistent buffers to ``dtype`` in place; return the masters.
 
@@ -393,10 +617,15 @@ def cast_model(
     ``inv_freq``, which are not in the ``state_dict``) are left as they are. With
     ``master_weights=False`` the result is empty (pure half weights). With masters,
     ``module.state_dict()`` reports them from now on (:meth:`MasterWeights.hook`).
+    ``master_weights="remainder"`` (bf16 only) keeps each master as the bf16 parameter plus an
+    int16 remainder (see the module docs): the parameter is the master rounded to nearest with
+    ties away from zero, and the master itself holds its fp32 values only during a step.
 
     Raises:
         TypeError: ``module`` is not a module, ``dtype`` is not fp16/bf16, or ``keep_fp32`` is
             not a sequence of module classes.
+        ValueError: ``master_weights`` is not ``True``, ``False`` or ``"remainder"``, or
+            ``"remainder"`` comes with fp16.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
@@ -415,6 +644,7 @@ def cast_model(
             error=TypeError,
         )
     dtype = check_half_dtype("cast_model", dtype)
+    remainder = check_master_weights("cast_model", master_weights, dtype) == "remainder"
     keep = check_module_classes(keep_fp32, "cast_model", "keep_fp32")
     kept = _kept(module, keep)
     previous = masters_of(module)
@@ -422,6 +652,7 @@ def cast_model(
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+    remainders: list[Tensor] = []
     seen: set[int] = set()
     for sub in module.modules():
         target = torch.float32 if id(sub) in kept else dtype
@@ -430,10 +661,18 @@ def cast_model(
                 continue
             param = maybe
             seen.add(id(param))
-            earlier = previous.master_of(param) if previous is not None else None
-            original = earlier.data if earlier is not None else param.data
+            original = previous.value_of(param) if previous is not None else None
+            original = original if original is not None else param.data
+            mastered = master_weights is not False and param.requires_grad and target != torch.float32
+            if mastered and remainder:
+                high = torch.empty_like(original, dtype=target)
+                remainders.append(torch.empty_like(original, dtype=torch.int16))
+                _split_into(high, remainders[-1], original.float().clone())
+                _cast_(param, high, target)
+                pairs.append((param, nn.Parameter(_stand_in(high), requires_grad=True)))
+                continue
             _cast_(param, original, target)
-            if master_weights and param.requires_grad and target != torch.float32:
+            if mastered:
                 pairs.append((param, nn.Parameter(original.float(), requires_grad=True)))
         for key, buf in sub._buffers.items():
             if buf is not None and _castable(buf) and key not in sub._non_persistent_buffers_set:
@@ -441,7 +680,7 @@ def cast_model(
     if previous is not None:
         previous.detach()
         previous.unhook()
-    masters = MasterWeights(pairs, names)
+    masters = MasterWeights(pairs, names, remainders if remainder else None)
     if pairs:
         masters.hook(module)
     return masters

@@ -270,7 +270,8 @@ def fixed_point(
         fail(
             call,
             passed=f"il={il}, fl={fl}",
-            allowed=f"IL + FL <= {word} for a {x.dtype} x (so every value is exact)",
+            why=f"{x.dtype} holds {word} bits exactly, and IL + FL = {il + fl}",
+            allowed=f"IL + FL <= {word} for a {x.dtype} x, so every value is exact",
             hint=alt + ".",
         )
     _check_generator(call, generator, x)
@@ -279,6 +280,7 @@ def fixed_point(
         fail(
             call,
             passed=got,
+            why="rounding to nearest draws no random numbers",
             allowed="a generator with rounding='stochastic' only",
             hint="drop the generator or pass rounding='stochastic'.",
         )
@@ -334,6 +336,7 @@ def _check_generator(call: str, generator: object, x: Tensor) -> None:
         fail(
             call,
             passed=got,
+            why="the random numbers must be drawn on x's device",
             allowed="a generator on x's device",
             hint=f"create it with torch.Generator(device={str(device)!r}).",
         )

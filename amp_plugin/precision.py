@@ -194,22 +194,32 @@ def check_precision(precision: object, call: str = "check_precision") -> Precisi
         >>> check_precision("fp16")
         Traceback (most recent call last):
         ...
-        ValueError: check_precision(precision='fp16') is not allowed: one of '16-mixed', ... HINT: ...
+        ValueError: check_precision(precision='fp16') is not allowed here: there is no such precision. ...
     """
     if not isinstance(precision, str) or precision not in PRECISIONS:
         hint = _HINTS.get(str(precision).strip().lower(), "pick one of the allowed strings")
         allowed = "one of " + ", ".join(map(repr, PRECISIONS))
-        fail(call, passed=f"precision={precision!r}", allowed=allowed, hint=f"{hint}.")
+        fail(
+            call,
+            passed=f"precision={precision!r}",
+            why="there is no such precision",
+            allowed=allowed,
+            hint=f"{hint}.",
+        )
     return precision  # type: ignore[return-value]
 
 
-def resolve_precision(precision: str, device_type: str | torch.device) -> torch.dtype:
+def resolve_precision(
+    precision: str, device_type: str | torch.device, *, call: str = "resolve_precision"
+) -> torch.dtype:
     """Turn a precision string into the autocast dtype for ``device_type``.
 
     ``"16-mixed"`` is fp16 and ``"bf16-mixed"`` bf16, on every device type that supports
     them (fp16 on CPU included, unlike Lightning, which turns it into bf16). ``"auto"``
     picks bf16 where the device has it (CPU; CUDA compute capability >= 8.0), else fp16.
     ``device_type`` is checked by :func:`check_device` (``"cuda:0"`` counts as ``"cuda"``).
+    ``call`` names the entry point in an error message (``"AMPPrecision"`` when the plugin asks);
+    it then says ``device=`` for ``device_type=``, the plugin's argument.
 
     Raises:
         ValueError: unknown precision string, a device type without autocast, or a dtype
@@ -222,36 +232,37 @@ def resolve_precision(precision: str, device_type: str | torch.device) -> torch.
         >>> resolve_precision("auto", "cpu")
         torch.bfloat16
     """
-    check_precision(precision, "resolve_precision")
-    device_type = check_device_type("resolve_precision", "device_type", device_type)
-    passed = f"precision={precision!r}, device_type={device_type!r}"
+    arg = "device_type" if call == "resolve_precision" else "device"
+    check_precision(precision, call)
+    device_type = check_device_type(call, arg, device_type)
+    passed = f"precision={precision!r}, {arg}={device_type!r}"
     dtype = _auto_choice(device_type)[0] if precision == "auto" else _DTYPES[precision]
     if dtype == torch.float32:
         return dtype  # autocast stays off: nothing to check on the device
     if device_type == "cuda" and not torch.cuda.is_available():
         fail(
-            "resolve_precision",
+            call,
             passed=passed,
-            allowed="device type 'cuda' only where CUDA is available, but CUDA is not available",
-            hint="run on a machine with a CUDA GPU and a CUDA build of torch, or use device type 'cpu'.",
+            why="CUDA is not available",
+            allowed="a device type present on this machine, e.g. 'cpu'",
+            hint=f"run on a machine with a CUDA GPU and a CUDA build of torch, or pass {arg}='cpu'.",
         )
     if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         fail(
-            "resolve_precision",
+            call,
             passed=passed,
-            allowed="bf16 only on a CUDA device with bf16, but this CUDA device has no bf16 support",
+            why="this CUDA device has no bf16 support",
+            allowed="'16-mixed' or '16-true' here ('bf16-mixed' needs compute capability 8.0 or newer)",
             hint="use '16-mixed'.",
         )
     supported = _supported_dtypes(device_type)
     if dtype not in supported:
         other = "'bf16-mixed'" if torch.bfloat16 in supported else "another device type"
         fail(
-            "resolve_precision",
+            call,
             passed=passed,
-            allowed=(
-                f"a precision whose dtype the device's autocast has: this one needs {dtype} autocast, but "
-                f"{device_type!r} autocast supports only {supported}"
-            ),
+            why=f"it needs {dtype} autocast, which {device_type!r} autocast does not have",
+            allowed=f"a precision whose dtype {device_type!r} autocast has: {supported}",
             hint=f"use {other}.",
         )
     return dtype

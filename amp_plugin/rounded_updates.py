@@ -82,10 +82,8 @@ class RoundedUpdates:
             fail(
                 "RoundedUpdates",
                 passed=f"rounding={rounding!r} with {type(opt).__name__}(fused=True)",
-                allowed=(
-                    "an optimizer that is not fused (a fused step needs one dtype for parameters, "
-                    "gradients and state)"
-                ),
+                why="a fused step needs one dtype for parameters, gradients and state",
+                allowed="an optimizer that is not fused",
                 hint=(f"build {type(opt).__name__}(..., foreach=True) instead, or use rounding='nearest'."),
             )
         self.optimizer = opt
@@ -189,6 +187,7 @@ class RoundedUpdates:
             fail(
                 "RoundedUpdates.load_state_dict",
                 passed=f"state={state!r:.80}",
+                why="it is not the dict RoundedUpdates.state_dict() returns",
                 allowed="a dict from RoundedUpdates.state_dict()",
                 hint="load the state this class saved.",
             )

@@ -136,10 +136,14 @@ class DynamicScale:
         self.floor_step = torch.full((), -1, dtype=torch.int64, device=device)
         return self.scale
 
-    def update_(self, found_inf: Tensor, skipped: bool | None = None) -> None:
+    def update_(
+        self, found_inf: Tensor, skipped: bool | None = None, skip_flag: Tensor | None = None
+    ) -> None:
         """Close an iteration whose combined inf flag is ``found_inf`` (> 0: its steps were skipped).
 
-        ``skipped``: the same flag where the caller has already read it on the host (no read here).
+        ``skipped``: whether the steps were skipped, where the caller has already read it on the
+        host (no read here). ``skip_flag``: the device flag of the skip where it is wider than
+        ``found_inf`` (a loss spike skips without moving the scale); counted instead of it.
         Besides the scale's own rule (dynamic scales only) this launches nothing: the flag is kept
         (not copied; the caller does not change it afterwards) and counted when it is next read.
         """
@@ -147,15 +151,26 @@ class DynamicScale:
         if self.dynamic:
             # A step known clean on the host needs no floor bookkeeping: a clean step never lowers
             # the scale, and every update leaves it at or above the floor.
+            kept = None if skip_flag is None else [t.clone() for t in self._trackers_now(scale)]
             self._move(scale, found_inf, track_floor=skipped is not False)
+            if kept is not None and skip_flag is not None:
+                # A skip that was no overflow (a loss spike) leaves the scale and its trackers as
+                # they were: for the scale that step did not happen.
+                hold = (skip_flag > 0) & (found_inf <= 0)
+                for tensor, before in zip(self._trackers_now(scale), kept, strict=True):
+                    tensor.copy_(torch.where(hold, before, tensor))
         self.total_steps += 1
         if skipped is None or self._pending:  # behind an unread flag, a known one waits its turn
-            self._pending.append(found_inf if skipped is None else skipped)
+            flag = found_inf if skip_flag is None else skip_flag
+            self._pending.append(flag if skipped is None else skipped)
         else:
             self._count(skipped)
         if self.total_steps % _FLOOR_CHECK_EVERY == 0:
             self.report_floor()
             self._report_streak()  # one read of the waiting flags, every 100 updates
+
+    def _trackers_now(self, scale: Tensor) -> tuple[Tensor, ...]:
+        return (scale, self.growth_tracker, self.hysteresis_tracker)
 
     def _count(self, skipped: bool) -> None:
         """Count one closed iteration on the host, in order."""

@@ -35,6 +35,7 @@ from amp_plugin.optim import (
 )
 from amp_plugin.scale_policy import DynamicScale
 from amp_plugin.sharding import ShardAwareKernels, has_dtensor, local_shards
+from amp_plugin.spike import SpikeGuard, check_spike_guard
 
 __all__ = ["LossScaler"]
 
@@ -58,6 +59,7 @@ class OptimizerState:
     grad_scale: Tensor | None = None  # the factor the grads still carry once stage is UNSCALED
     synced: bool = False  # found_inf already agreed across ranks (all-reduced, or from a global norm)
     skipped: bool | None = None  # found_inf as read on the host by a non-fused step(), else None
+    skip: Tensor | None = None  # the step's skip flag where a spike guard widened found_inf, else None
 
     def merge_inf(self, flag: Tensor, agreed: bool) -> None:
         """Fold a later inf check (``flag`` > 0: overflow) into this optimizer's flag.
@@ -167,6 +169,9 @@ class LossScaler:
         sync_found_inf: all-reduce the inf flag across ranks before each skip decision:
             ``"auto"`` (when torch.distributed runs with several processes), True or False.
         process_group: the ranks that must agree (``None``: the default group).
+        spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
+            jumps far above its recent history. Such a skip is counted in ``skipped_steps`` but
+            is no overflow: the scale does not back off. ``None`` (the default): no spike check.
 
     Example:
         >>> import torch
@@ -196,8 +201,10 @@ class LossScaler:
         kernels: Backend = "auto",
         sync_found_inf: distributed.SyncMode = "auto",
         process_group: Any = None,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         device_type = _scaler_rules.check_device(device)
+        self.spike_guard = check_spike_guard("LossScaler", spike_guard)
         enabled = check_bool("LossScaler", "enabled", enabled)
         policy = DynamicScale(
             init_scale,
@@ -227,6 +234,7 @@ class LossScaler:
         self._iteration = Iteration()
         self._guard_only = _guard_only(policy)
         self._last_skipped: bool | None = None  # last_step_skipped, where update() knew it on the host
+        self._spike_synced = False  # this iteration's spike flag was agreed across ranks
 
     @classmethod
     def from_grad_scaler(cls, grad_scaler: Any, **options: Any) -> LossScaler:
@@ -259,6 +267,7 @@ class LossScaler:
             fail(
                 "LossScaler.from_grad_scaler",
                 passed="a GradScaler in the middle of an iteration",
+                why="the GradScaler is between scale() and update()",
                 allowed="one between update() and the next scale()",
                 hint="convert it after update().",
                 error=RuntimeError,
@@ -300,6 +309,8 @@ class LossScaler:
     def _scale_tensor(self, loss: Tensor) -> Tensor:
         scale = self._policy.ensure(loss.device)
         self._iteration.scaled = True
+        if self.spike_guard is not None:
+            self.spike_guard.observe(loss)
         if self._guard_only:  # a scale of 1 scales nothing: the loss keeps its dtype and values
             return _ScaledLoss.apply(loss, None) if loss.requires_grad else loss
         if loss.dtype in (torch.float16, torch.bfloat16):
@@ -367,7 +378,8 @@ class LossScaler:
             self.unscale_(opt)
         found_inf = cast(Tensor, state.found_inf)
         self._sync(state)
-        state.skipped = bool(found_inf.item())  # the one host read of this step, kept for every reader
+        skip = self._with_spike(state, found_inf)
+        state.skipped = bool(skip.item())  # the one host read of this step, kept for every reader
         result = None if state.skipped else optimizer.step(*args, **kwargs)
         state.stage = Stage.STEPPED
         return result
@@ -390,6 +402,8 @@ class LossScaler:
             policy.set_(value)
             self._guard_only = self._guard_only and float(value) == 1.0
             self._last_skipped = None
+            if self.spike_guard is not None:
+                self.spike_guard.discard()
             self._end_iteration()
             return
         found = self._iteration.flags(self._sync)
@@ -399,13 +413,20 @@ class LossScaler:
                 "last update(). HINT: " + _ORDER
             )
         self._last_skipped = self._iteration.skipped_on_host()  # known without a read where step() read
+        # Only a spike flag that a step() of this iteration applied is counted (made there, once).
+        spike = self.spike_guard.flag() if self.spike_guard is not None and self._spike_synced else None
         found_inf = found[0]  # read only below, and the iteration's flags are dropped with it
         if len(found) > 1:
             found_inf = found_inf.clone()
             for other in found[1:]:
                 found_inf += other.to(found_inf.device)
         self._end_iteration()
-        policy.update_(found_inf, self._last_skipped)
+        # A spike skips and is counted, but is no overflow: only found_inf moves the scale.
+        skipped = None if spike is None else found_inf + spike.to(found_inf.device)
+        policy.update_(found_inf, self._last_skipped, skipped)
+        if self.spike_guard is not None:
+            flag = found_inf if skipped is None else skipped
+            self.spike_guard.commit(self._last_skipped if self._last_skipped is not None else flag)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); synchronises the host."""
@@ -508,6 +529,7 @@ class LossScaler:
             fail(
                 call,
                 passed="sharded=True",
+                why="DTensor gradients carry their sharding, and their norm is global already",
                 allowed="sharded=False when the gradients are DTensors (fully_shard)",
                 hint=(
                     "DTensor gradients carry their sharding and their norm is already global; "
@@ -714,7 +736,9 @@ class LossScaler:
         state = self._iteration.get(id(unwrap_optimizer(optimizer)))
         if state is None:
             return None
-        return state.skipped if state.skipped is not None else state.found_inf
+        if state.skipped is not None:
+            return state.skipped
+        return state.skip if state.skip is not None else state.found_inf
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -772,10 +796,28 @@ class LossScaler:
             )
         self._sync(state)
         state.stage = Stage.STEPPED
-        return step_with_amp_attributes(opt, optimizer, grad_scale, state.found_inf, *args, **kwargs)
+        skip = self._with_spike(state, cast(Tensor, state.found_inf))
+        return step_with_amp_attributes(opt, optimizer, grad_scale, skip, *args, **kwargs)
+
+    def _with_spike(self, state: OptimizerState, found_inf: Tensor) -> Tensor:
+        """The step's skip flag: ``found_inf``, OR-ed with the iteration's spike flag (on the device).
+
+        The spike flag is agreed across ranks as ``found_inf`` is (MAX), once per iteration: each
+        rank's loss is its own, and every rank must skip together.
+        """
+        spike = None if self.spike_guard is None else self.spike_guard.flag()
+        if spike is None:
+            return found_inf
+        if not self._spike_synced:
+            if distributed.checked_sync_enabled(self._sync_mode, self.process_group):
+                distributed.all_reduce_found_inf(spike, self.process_group)
+            self._spike_synced = True
+        state.skip = torch.maximum(found_inf, spike.to(found_inf.device))
+        return state.skip
 
     def _end_iteration(self) -> None:
         self._iteration.clear()
+        self._spike_synced = False
 
     # -- used by AMPPrecision for Lightning's control flow -----------------------------------
 

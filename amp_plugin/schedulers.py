@@ -28,8 +28,7 @@ class _StepSkips(Protocol):
 
     def known_skip(self, optimizer: Any) -> bool | None: ...
 
-    @property
-    def skipped_steps_seen(self) -> int: ...
+    def step_skipped(self, optimizer: Any) -> bool: ...
 
 
 class SkipAwareScheduler:
@@ -42,24 +41,26 @@ class SkipAwareScheduler:
 
     Args:
         scheduler: the LR scheduler to wrap.
-        steps: says whether a step was skipped (``known_skip(optimizer)``, or
-            ``last_step_skipped`` for a scheduler without ``.optimizer``, and ``skipped_steps_seen``):
-            the plugin's :class:`~amp_plugin.step.StepDriver`.
+        steps: says whether a step was skipped (``known_skip(optimizer)`` where that needs no
+            host read, else ``step_skipped(optimizer)``; ``last_step_skipped`` for a scheduler
+            without ``.optimizer``): the plugin's :class:`~amp_plugin.step.StepDriver`.
         lr_on_skip: ``"hold"`` keeps the scheduler still after a skipped step; ``"advance"`` steps it.
 
     Example:
         >>> import torch
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> class Taken:  # what the step driver says after a step that was taken
-        ...     last_step_skipped, skipped_steps_seen = False, 0
+        ...     last_step_skipped = False
         ...     def known_skip(self, optimizer): return False
+        ...     def step_skipped(self, optimizer): return False
         >>> scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), Taken())
         >>> opt.step(); scheduler.step()  # a step that was taken: the scheduler moves
         >>> scheduler.get_last_lr()
         [0.5]
         >>> class Skipped:  # what the step driver says after an overflow
-        ...     last_step_skipped, skipped_steps_seen = True, 0
+        ...     last_step_skipped = True
         ...     def known_skip(self, optimizer): return True
+        ...     def step_skipped(self, optimizer): return True
         >>> held = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), Skipped())
         >>> held.step(); held.get_last_lr()
         [0.5]
@@ -70,6 +71,7 @@ class SkipAwareScheduler:
             fail(
                 "SkipAwareScheduler",
                 passed=f"lr_on_skip={lr_on_skip!r}",
+                why="there is no such mode",
                 allowed="'hold' or 'advance'",
                 hint="'hold' keeps the schedule in step with the weights' updates.",
             )
@@ -85,15 +87,14 @@ class SkipAwareScheduler:
         self.__dict__["_scheduler"] = scheduler
         self.__dict__["_steps"] = steps
         self.__dict__["_lr_on_skip"] = lr_on_skip
-        self.__dict__["_held"] = steps.skipped_steps_seen  # skips before this wrapper are not its own
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the wrapped scheduler unless its optimizer's step was skipped and the plugin holds.
 
-        Where the step read its skip flag (non-fused optimizers) the hold is exact. A fused
-        optimizer skips on the device and nothing is read for it: the wrapper then holds one step
-        for each skip the plugin has counted on the host since (a monitor's logging step, or the
-        check every 100 steps), so the schedule takes as many steps as the optimizer, a few steps late.
+        The hold is on the skipped step itself. Where the step read its skip flag already
+        (non-fused optimizers) this costs nothing; a fused optimizer skips on the device, and
+        holding then costs one host read of its flag per step (shared with every later reader of
+        it). ``lr_on_skip="advance"`` never reads.
         """
         optimizer = getattr(self._scheduler, "optimizer", None)
         steps = self._steps
@@ -101,12 +102,10 @@ class SkipAwareScheduler:
         if self._lr_on_skip == "advance":
             self._advance(bool(known), *args, **kwargs)  # a fused step called optimizer.step(): no warning
             return
-        if known is None:  # a fused step: hold for the skips counted since, without reading the flag
-            known = steps.skipped_steps_seen > self.__dict__["_held"]
-        if known:
-            self.__dict__["_held"] += 1
-            return
-        self._scheduler.step(*args, **kwargs)
+        if known is None:  # a fused step: its flag is read here, on the step it describes
+            known = steps.step_skipped(optimizer)
+        if not known:
+            self._scheduler.step(*args, **kwargs)
 
     def _advance(self, skipped: bool, *args: Any, **kwargs: Any) -> None:
         if not skipped:

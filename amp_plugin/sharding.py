@@ -85,6 +85,7 @@ def shard_groups(tensor: Tensor) -> tuple[Any, ...]:
             fail(
                 "ShardAwareKernels",
                 passed=f"a gradient with placements {dt.placements}",
+                why="a Partial gradient is not reduced yet",
                 allowed="Shard or Replicate placements",
                 hint="reduce the gradients (fully_shard does) before unscaling or clipping them.",
             )

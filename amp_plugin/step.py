@@ -179,9 +179,21 @@ class StepDriver:
         return bool(self.last_skip)  # a device flag is read here, on request only
 
     def step_skipped(self, optimizer: Any) -> bool:
-        """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first."""
-        flag = self._skips.get(id(unwrap_optimizer(optimizer)))
-        return flag is not None and bool(flag)
+        """Whether ``optimizer``'s latest step was skipped (or not taken); ``False`` before its first.
+
+        A fused step's device flag is read here once (a host read) and kept as a bool from then on.
+        """
+        key = id(unwrap_optimizer(optimizer))
+        flag = self._skips.get(key, False)
+        if isinstance(flag, bool):
+            return flag
+        value = bool(flag)
+        self._skips[key] = value
+        if self._last is flag:
+            self._last = value
+        if self._batch is flag:
+            self._batch = value
+        return value
 
     def known_skip(self, optimizer: Any) -> bool | None:
         """:meth:`step_skipped` where it is known without a host read; ``None`` for a fused step's flag."""

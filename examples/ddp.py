@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, max_steps=steps,
         plugins=[AMPPrecision(args.precision)], callbacks=[LossScaleMonitor(), RankSummary(), *lines],
-        gradient_clip_val=1.0, logger=CSVLogger("runs", name="ddp"), log_every_n_steps=10,
+        gradient_clip_val=1.0, logger=CSVLogger("runs", name="ddp"), log_every_n_steps=min(10, steps),
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=bar, limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(model, train)

@@ -64,7 +64,7 @@ def train(
         optimizer.step()
         optimizer.zero_grad()
         if precision.last_step_skipped:
-            skipped.append(step)
+            skipped.append(step + 1)  # counted from 1, as the other examples and the monitor do
         else:
             norms.append(float(norm))
         losses.append(loss.item())
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("skipped steps", f"{len(first['skipped']) + len(second['skipped'])} at steps "
                           f"{first['skipped'] + second['skipped']}"),
         ("grad norm", f"{norms[0]:.2f} -> {norms[-1]:.2f} (unscaled, clipped to {MAX_NORM})"),
-        ("loss scale", f"{scaler.get_scale():g} (saved at step {half}: {resumed_scale:g})"),
+        ("loss scale", f"{scaler.get_scale():g} (saved after step {half}: {resumed_scale:g})"),
         ("resume", "bit-exact" if torch.equal(straight, flat(model2)) else "DIFFERS"),
     ])  # fmt: skip
 

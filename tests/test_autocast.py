@@ -122,9 +122,9 @@ def test_propagate_autocast_keeps_the_wrapped_metadata() -> None:
 @pytest.mark.parametrize(
     ("fn", "match"),
     [
-        (None, r"fn=None\) is not allowed: a callable.*HINT: pass the function itself"),
-        ("torch.mm", r"fn='torch\.mm'\) is not allowed: a callable"),
-        (torch.ones(1), r"fn=Tensor\) is not allowed: a callable"),
+        (None, r"fn=None\) is not allowed here: .*a callable.*HINT: pass the function itself"),
+        ("torch.mm", r"fn='torch\.mm'\) is not allowed here: .*a callable"),
+        (torch.ones(1), r"fn=Tensor\) is not allowed here: .*a callable"),
     ],
 )
 def test_propagate_autocast_refuses_a_non_callable_when_wrapping(fn: Any, match: str) -> None:
@@ -161,7 +161,7 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("module", ["model", None, Recorder])
 def test_autocast_data_parallel_refuses_what_is_not_a_module_when_built(module: Any) -> None:
     # Without GPUs nn.DataParallel keeps anything and fails only at the first forward.
-    match = r"^AutocastDataParallel\(module=.*\) is not allowed: a torch\.nn\.Module instance\. HINT"
+    match = r"^AutocastDataParallel\(module=.*\) is not allowed here: .*a torch\.nn\.Module instance\. HINT"
     with pytest.raises(TypeError, match=match):
         AutocastDataParallel(module)
 

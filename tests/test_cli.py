@@ -135,6 +135,33 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"amp_plugin {__version__}\n"
 
 
+def test_version_after_the_subcommand_answers_too(capsys: pytest.CaptureFixture[str]) -> None:
+    # It used to be an unknown option of doctor's, with the hint "did you mean --json?".
+    assert main(["doctor", "--version"]) == 0
+    assert capsys.readouterr().out == f"amp_plugin {__version__}\n"
+
+
+def test_doctor_fp8_without_a_model_says_how_to_see_the_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 0" not in out and "%" not in out
+    assert "fp8 hardware: " in out and "HINT: add --model MODULE:FACTORY" in out
+    assert main(["doctor", "--fp8", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["layers"] is None and document["recipe"] == "tensorwise"
+
+
+def test_doctor_fp8_with_a_model_prints_no_import_noise() -> None:
+    # A fresh process: torchao's import-time warnings come only with its first import.
+    command = [sys.executable, "-m", "amp_plugin", "doctor", "--fp8", "--model", "tests._fp8_models:TinyLM"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout + result.stderr
+    assert "Failed to load" not in text and "register_constant" not in text, text
+    assert "Linear layers" in result.stdout
+    assert all(len(line) < 200 for line in text.splitlines()), text
+
+
 @pytest.mark.parametrize(
     ("argv", "hint"),
     [
@@ -151,7 +178,11 @@ def test_a_mistyped_option_is_reported_by_its_subcommand(
     assert err.startswith("usage: amp-plugin doctor ")  # the subcommand's usage, not the top level's
     wrong = argv[-1]
     assert f"amp-plugin doctor: error: unrecognized arguments: {wrong} (doctor does not know {wrong!r}" in err
-    assert "its options: -h/--help, --model MODULE:FACTORY, --json, --no-measure, --ops, --fp8 RECIPE)" in err
+    assert (
+        "its options: -h/--help, --version, --model MODULE:FACTORY, --json, --no-measure, --ops, "
+        "--fp8 RECIPE)"
+        in err
+    )
     assert hint in err and ("HINT" in err) == bool(hint)
 
 
@@ -163,8 +194,12 @@ def test_an_option_before_the_subcommand_is_the_top_levels(capsys: pytest.Captur
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        ("doctor", r"argv='doctor'\) is not allowed: None or a list of strings\. HINT: main\(\['doctor'\]\)"),
-        (["doctor", 1], r"argv=\['doctor', 1\]\) is not allowed: None or a list of strings"),
+        (
+            "doctor",
+            r"argv='doctor'\) is not allowed here: "
+                r".*Allowed: None or a list of strings\. HINT: main\(\['doctor'\]\)",
+        ),
+        (["doctor", 1], r"argv=\['doctor', 1\]\) is not allowed here: .*Allowed: None or a list of strings"),
         (("doctor", b"--json"), r"argv=\('doctor', b'--json'\)\) is not allowed"),
     ],
 )
@@ -177,7 +212,8 @@ def test_main_refuses_argv_that_is_not_a_list_of_strings(argv: object, match: st
 @pytest.mark.parametrize("spec", [None, 3, nn.Identity])
 def test_load_model_refuses_a_spec_that_is_not_a_string(spec: object) -> None:
     with pytest.raises(
-        TypeError, match=r"^load_model\(spec=.*\) is not allowed: a 'package\.module:factory' str.*HINT"
+        TypeError,
+        match=r"^load_model\(spec=.*\) is not allowed here: .*Allowed: a 'package\.module:factory' str.*HINT",
     ):
         load_model(spec)  # type: ignore[arg-type]
 

@@ -38,6 +38,10 @@ def _nav_pages() -> set[str]:
     return pages
 
 
+def _page(site: Path, name: str) -> str:
+    return (site / name / "index.html").read_text()
+
+
 def test_site_builds_strict(tmp_path: Path) -> None:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run(
@@ -47,6 +51,12 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
     scaler = (tmp_path / "reference" / "scaler" / "index.html").read_text()
     assert 'id="amp_plugin.scaler.LossScaler"' in scaler
+    # the page opens with the class users call, before the state machine it keeps
+    assert scaler.index('id="amp_plugin.scaler.LossScaler"') < scaler.index('id="amp_plugin.scaler.Stage"')
+    # code wraps instead of scrolling sideways; identifiers in tables do not break mid-word
+    css = (tmp_path / "css" / "extra.css").read_text()
+    assert "pre-wrap" in css and "keep-all" in css
+    assert '<link rel="stylesheet" href="../css/extra.css">' in _page(tmp_path, "quickstart")
     # the docstrings' "Example:" sessions render as highlighted code, not as prose
     assert scaler.count('<span class="gp">&gt;&gt;&gt; </span>') > 10
     # Sphinx roles become links to the objects' entries

@@ -164,7 +164,8 @@ def test_no_matching_module_adds_no_hooks() -> None:
 @pytest.mark.parametrize(
     ("model", "classes", "match"),
     [
-        ("model", (Norm,), r"^force_fp32\(model='model'\) is not allowed: a torch\.nn\.Module\. HINT: "),
+        ("model", (Norm,), r"^force_fp32\(model='model'\) is not allowed here: "
+            r".*a torch\.nn\.Module\. HINT: "),
         (nn.Linear(2, 2), (int,), r"classes=\(<class 'int'>,\)"),
     ],
 )
@@ -176,9 +177,10 @@ def test_force_fp32_rejects_bad_arguments(model: Any, classes: Any, match: str) 
 @pytest.mark.parametrize(
     ("classes", "match"),
     [
-        (nn.LayerNorm, r"classes=<class .*LayerNorm'>\) is not allowed: a tuple .*HINT: wrap the class in a "
+        (nn.LayerNorm, r"classes=<class .*LayerNorm'>\) is not allowed here: "
+            r".*a tuple .*HINT: wrap the class in a "
          r"tuple: \(LayerNorm,\)"),
-        ((nn.LayerNorm(2),), r"allowed: a tuple of torch\.nn\.Module subclasses\. HINT: LayerNorm\(.*\) is "
+        ((nn.LayerNorm(2),), r"Allowed: a tuple of torch\.nn\.Module subclasses\. HINT: LayerNorm\(.*\) is "
          r"an instance; pass its class, LayerNorm"),
         ((nn.LayerNorm, int), r"HINT: int is not a torch\.nn\.Module subclass"),
         ((nn.Linear, "LayerNorm"), r"HINT: 'LayerNorm' is not a class; pass the class itself"),
@@ -209,7 +211,7 @@ def test_check_functions_accepts_one_callable_or_a_sequence_and_dedupes() -> Non
 @pytest.mark.parametrize(
     ("functions", "match"),
     [
-        ("sigmoid", r"functions='sigmoid'\) is not allowed: .*HINT: pass the function itself"),
+        ("sigmoid", r"functions='sigmoid'\) is not allowed here: .*.*HINT: pass the function itself"),
         ((torch.sigmoid, "softmax"), r"'softmax' is a name; pass the function itself"),
         ((nn.Sigmoid,), r"Sigmoid is a class; .*fp32_modules="),
         ((1.5,), r"1.5 is not callable"),

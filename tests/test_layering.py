@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         _in_package(
             "optim scaler _scaler_rules _iteration scale_policy clipping sharding distributed consistency "
             "precision autocast fp32_policy numerics master_weights rounded_updates half_weights schedulers "
-            "fp8 diagnostics diagnostics.*"
+            "grad_accumulation fp8 spike diagnostics diagnostics.*"
         ),
     ),
     ("step", _in_package("step")),

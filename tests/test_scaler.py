@@ -244,7 +244,8 @@ def test_scale_rejects_what_is_not_a_tensor_or_a_nesting_of_tensors() -> None:
     # nested lists and tuples: test_scaler_conformance.py, bit for bit against GradScaler
     scaler = LossScaler(init_scale=2.0)
     with pytest.raises(
-        TypeError, match=r"scale\(outputs=float\) is not allowed: a tensor or a list/tuple of tensors\. HINT"
+        TypeError, match=r"scale\(outputs=float\) is not allowed here: "
+            r".*a tensor or a list/tuple of tensors\. HINT"
     ):
         scaler.scale(3.0)
 

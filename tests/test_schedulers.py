@@ -35,8 +35,6 @@ class _Plugin:
         self.asked.append(optimizer)
         return self.skipped
 
-    skipped_steps_seen = 0
-
 
 def _optimizer() -> torch.optim.Optimizer:
     return torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
@@ -118,23 +116,35 @@ def test_the_wrapper_copies_and_pickles_with_its_plugin(how: str) -> None:
 
 
 class _FusedPlugin(_Plugin):
-    """A fused optimizer: its skip flag stays on the device; skips become known when counted."""
+    """A fused optimizer: its skip flag stays on the device until someone asks ``step_skipped``."""
+
+    def __init__(self, skips: list[bool], lr_on_skip: str = "hold") -> None:
+        super().__init__(False, lr_on_skip)
+        self.skips, self.reads = skips, 0
 
     def known_skip(self, optimizer: Any) -> bool | None:
         return None
 
+    def step_skipped(self, optimizer: Any) -> bool:
+        self.reads += 1
+        return self.skips.pop(0)
 
-def test_with_a_fused_optimizer_the_scheduler_holds_once_per_counted_skip_without_reading() -> None:
-    plugin = _FusedPlugin(skipped=False)
+
+def test_with_a_fused_optimizer_the_scheduler_holds_on_the_skipped_step_with_one_read() -> None:
+    plugin = _FusedPlugin([False, True, False])
     scheduler = _wrapped(plugin)
-    scheduler.step()  # nothing counted: it steps
-    assert scheduler.last_epoch == 1
-    plugin.skipped_steps_seen = 2  # a logging step read the count: two steps were skipped since
+    epochs = []
+    for _ in range(3):
+        scheduler.step()
+        epochs.append(scheduler.last_epoch)
+    assert epochs == [1, 1, 2] and plugin.reads == 3  # held on the skipped step itself
+
+
+def test_advance_never_reads_a_fused_flag() -> None:
+    plugin = _FusedPlugin([True], lr_on_skip="advance")
+    scheduler = _wrapped(plugin)
     scheduler.step()
-    scheduler.step()
-    assert scheduler.last_epoch == 1  # held twice, late
-    scheduler.step()
-    assert scheduler.last_epoch == 2
+    assert scheduler.last_epoch == 1 and plugin.reads == 0
 
 
 def test_a_bad_lr_on_skip_is_refused() -> None:

@@ -159,6 +159,7 @@ def probe_autocast_ops(device: str | torch.device = "cpu", dtype: torch.dtype | 
         fail(
             "probe_autocast_ops",
             passed=f"device={device_type!r} (not available here)",
+            why=f"this machine has no {device_type} device",
             allowed="a device on this machine",
             hint="probe 'cpu', or run on a machine with that device.",
         )
@@ -183,6 +184,7 @@ def _check_dtype(device_type: str, dtype: object) -> torch.dtype:
         fail(
             "probe_autocast_ops",
             passed=f"dtype={dtype}",
+            why="autocast runs only in float16 or bfloat16",
             allowed="an autocast dtype (bfloat16 or float16)",
             hint=hint,
         )

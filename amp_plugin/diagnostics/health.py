@@ -210,7 +210,7 @@ def validate_policy(
         >>> validate_policy("SkipHealth", 100, 0, 10, 0.05)
         Traceback (most recent call last):
         ...
-        ValueError: SkipHealth(window=0) is not allowed: an int >= 1. HINT: 200 steps is the default.
+        ValueError: SkipHealth(window=0) is not allowed here: it is below 1. Allowed: an int >= 1. HINT: ...
     """
     check_int(
         owner, "warmup_steps", warmup_steps, low=0, hint="100 covers a scale calibrating down from 2**16."
@@ -246,7 +246,7 @@ def validate_monitor_options(on_pathological: object, trace_nonfinite: object, p
         >>> validate_monitor_options("stop", False, None)
         Traceback (most recent call last):
         ...
-        ValueError: LossScaleMonitor(on_pathological='stop') is not allowed: one of 'warn', 'raise'. HINT: ...
+        ValueError: LossScaleMonitor(on_pathological='stop') is not allowed here: it is none of ...
     """
     call = "LossScaleMonitor"
     check_choice(

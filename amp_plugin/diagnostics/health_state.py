@@ -72,6 +72,7 @@ def number_or_none(
         fail(
             call,
             passed=f"{name}={value!r}",
+            why="it is not a number" if wrong_type else "it is out of range",
             allowed=f"None or a finite number {'>=' if zero else '>'} 0",
             hint=hint,
             error=error or (TypeError if wrong_type else ValueError),
@@ -93,6 +94,7 @@ def _check_dict(state: object, call: str, where: str, source: str, keys: tuple[s
         fail(
             call,
             passed=got,
+            why="it is not a dict",
             allowed=f"the dict from {source}",
             hint=_CORRUPT,
             error=ValueError if where else TypeError,
@@ -103,6 +105,7 @@ def _check_dict(state: object, call: str, where: str, source: str, keys: tuple[s
         fail(
             call,
             passed=f"{where or 'state_dict'} with keys {sorted(map(str, state))}",
+            why=f"{_listed(missing)} missing",
             allowed=allowed,
             hint=_CORRUPT,
         )
@@ -117,7 +120,13 @@ class _Entries:
 
     def bad(self, key: str, allowed: str) -> NoReturn:
         name = f"{self.where}[{key!r}]" if self.where else key
-        fail(self.call, passed=f"{name}={self.state[key]!r:.80}", allowed=allowed, hint=_CORRUPT)
+        fail(
+            self.call,
+            passed=f"{name}={self.state[key]!r:.80}",
+            why="the saved value cannot come from this object",
+            allowed=allowed,
+            hint=_CORRUPT,
+        )
 
     def count(self, key: str, high: int | None = None, of: str = "") -> int:
         value = self.state[key]
@@ -192,7 +201,13 @@ def check_records(records: object, call: str) -> list[ScaleRecord]:
         [ScaleRecord(step=3, scale=512.0, skipped_steps=1, grad_norm=0.25, skipped=True)]
     """
     if not isinstance(records, (list, tuple)):
-        fail(call, passed=f"records={records!r:.80}", allowed=f"a list of {_RECORD}s", hint=_CORRUPT)
+        fail(
+            call,
+            passed=f"records={records!r:.80}",
+            why="the saved records are not a list",
+            allowed=f"a list of {_RECORD}s",
+            hint=_CORRUPT,
+        )
 
     def real(x: object) -> bool:  # NaN is "unknown" and inf an overflowing norm: both are records
         return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -209,6 +224,7 @@ def check_records(records: object, call: str) -> list[ScaleRecord]:
             fail(
                 call,
                 passed=f"records[{i}]={tuple(r) if isinstance(r, list) else r!r:.80}",
+                why="the saved record is malformed",
                 allowed=_RECORD,
                 hint=_CORRUPT,
             )

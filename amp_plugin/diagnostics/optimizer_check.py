@@ -103,6 +103,7 @@ def _check_setup_args(model: Any, device: Any, dtype: Any, master_weights: Any, 
         fail(
             _CALL,
             passed=f"dtype={dtype!r}",
+            why="only a half-precision dtype needs this check",
             allowed="torch.float16 or torch.bfloat16",
             hint=hint,
             error=error,

@@ -36,12 +36,13 @@ def check_backend(backend: object, call: str = "get_kernels", name: str = "backe
         >>> check_backend("cuda")
         Traceback (most recent call last):
         ...
-        ValueError: get_kernels(backend='cuda') is not allowed: one of 'auto', 'torch', 'apex'. HINT: ...
+        ValueError: get_kernels(backend='cuda') is not allowed here: there is no such kernel backend. ...
     """
     if backend not in BACKENDS:
         fail(
             call,
             passed=f"{name}={backend!r}",
+            why="there is no such kernel backend",
             allowed="one of " + ", ".join(map(repr, BACKENDS)),
             hint="use 'auto' to take Apex amp_C on CUDA when it is installed and torch otherwise.",
         )
@@ -101,7 +102,13 @@ def _device_type(device: object) -> str | None:
     try:
         return torch.device(device).type
     except RuntimeError:  # torch's message lists every device type it knows, and no fix
-        fail("get_kernels", passed=got, allowed=allowed, hint=_device_hint(device))
+        fail(
+            "get_kernels",
+            passed=got,
+            why="torch knows no such device type",
+            allowed=allowed,
+            hint=_device_hint(device),
+        )
 
 
 @functools.cache

@@ -3,7 +3,9 @@
 The entry sits under :data:`CHECKPOINT_KEY`, not under the plugin's class name as Lightning would
 file a non-empty ``Precision.state_dict``: a rename or a subclass would orphan that. A checkpoint
 written by Lightning's ``MixedPrecision`` (under its class name, or the pre-2.0
-``native_amp_scaling_state``) loads too.
+``native_amp_scaling_state``) loads too; and the other way round, an fp16 run also writes its
+scale where Lightning's ``MixedPrecision`` reads it (its class name), in ``GradScaler``'s five
+keys, so going back to Lightning resumes the scale.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "check_entry",
     "check_scaler_state",
     "checkpoint_entry",
+    "grad_scaler_state",
     "load_entry",
     "load_scaler_state",
     "save_entry",
@@ -32,6 +35,8 @@ CHECKPOINT_KEY = "amp_plugin"
 """The checkpoint key of ``AMPPrecision``'s entry: its precision, the scaler state, the rounding state."""
 # Where Lightning's MixedPrecision keeps its GradScaler state: its class name, and the pre-2.0 key.
 _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
+# What torch.amp.GradScaler.load_state_dict reads (our scaler's state holds them, with the same meaning).
+_GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 def checkpoint_entry(precision: str, scaler: LossScaler | None) -> dict[str, Any]:
@@ -45,6 +50,19 @@ def checkpoint_entry(precision: str, scaler: LossScaler | None) -> dict[str, Any
         {'precision': 'bf16-mixed', 'scaler': {}}
     """
     return {"precision": precision, "scaler": scaler.state_dict() if scaler is not None else {}}
+
+
+def grad_scaler_state(scaler: LossScaler) -> dict[str, Any]:
+    """The part of ``scaler``'s state a ``torch.amp.GradScaler`` loads: its five keys (empty if disabled).
+
+    What Lightning's own plugins restore their scaler from, so that going back to them keeps the scale.
+
+    Example:
+        >>> sorted(grad_scaler_state(LossScaler("cpu", init_scale=8.0, hysteresis=2)))
+        ['_growth_tracker', 'backoff_factor', 'growth_factor', 'growth_interval', 'scale']
+    """
+    state = scaler.state_dict()
+    return {key: state[key] for key in _GRAD_SCALER_KEYS} if state else {}
 
 
 def scaler_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -122,16 +140,25 @@ def save_entry(
 ) -> None:
     """Write the plugin's entry: precision, the scaler state (or a bf16/fp32 guard's), the half weights'.
 
+    With a loss scaler, its ``GradScaler`` part also goes under ``"MixedPrecision"``, the key
+    Lightning's ``MixedPrecision`` restores its ``GradScaler`` from (this plugin reads its own
+    entry first).
+
     Example:
         >>> checkpoint = {}
         >>> save_entry(checkpoint, "bf16-mixed", None, LossScaler("cpu", init_scale=1.0, dynamic=False), None)
-        >>> sorted(checkpoint[CHECKPOINT_KEY])
-        ['guard', 'precision', 'scaler']
+        >>> sorted(checkpoint), sorted(checkpoint[CHECKPOINT_KEY])
+        (['amp_plugin'], ['guard', 'precision', 'scaler'])
+        >>> save_entry(checkpoint, "16-mixed", LossScaler("cpu", init_scale=8.0), None, None)
+        >>> checkpoint["MixedPrecision"]["scale"], sorted(checkpoint["MixedPrecision"])
+        (8.0, ['_growth_tracker', 'backoff_factor', 'growth_factor', 'growth_interval', 'scale'])
     """
     entry = checkpoint_entry(precision, scaler)
     if scaler is None and guard is not None:  # bf16/fp32: the guard's skip counts resume too
         entry["guard"] = guard.state_dict()
     checkpoint[CHECKPOINT_KEY] = entry
+    if scaler is not None and entry["scaler"]:  # Lightning's MixedPrecision resumes the scale from here
+        checkpoint[_FOREIGN_KEYS[0]] = grad_scaler_state(scaler)
     if half is not None:
         half.on_save(checkpoint, entry)
 

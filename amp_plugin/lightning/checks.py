@@ -21,6 +21,7 @@ from amp_plugin import autocast, diagnostics, fp32_policy, master_weights
 from amp_plugin import precision as precisions
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
 from amp_plugin.diagnostics.audit import join_names
+from amp_plugin.master_weights import check_master_weights
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import check_precision
 from amp_plugin.rounded_updates import ROUNDINGS
@@ -29,6 +30,7 @@ from amp_plugin.scaler import LossScaler
 __all__ = [
     "LBFGS_HALF_WEIGHTS",
     "LBFGS_REFUSAL",
+    "assigned_scaler",
     "check_arguments",
     "check_fit_start",
     "check_half_weights",
@@ -52,7 +54,7 @@ def check_arguments(
         >>> check_arguments("bf16-mixed", LossScaler("cpu"), "auto", "hold")
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision(precision='bf16-mixed', scaler=LossScaler) is not allowed: ... HINT: ...
+        ValueError: AMPPrecision(precision='bf16-mixed', scaler=LossScaler) is not allowed here: ... HINT: ...
     """
     check_precision(precision, "AMPPrecision")
     if scaler is not None and not isinstance(scaler, (LossScaler, torch.amp.GradScaler)):
@@ -67,20 +69,16 @@ def check_arguments(
         fail(
             "AMPPrecision",
             passed=f"precision={precision!r}, scaler={type(scaler).__name__}",
-            allowed=(
-                f"scaler= only with '16-mixed' or '16-true' (precision={precision!r} does not use a loss "
-                "scaler)"
-            ),
+            why=f"precision={precision!r} does not use a loss scaler",
+            allowed="scaler= with '16-mixed' or '16-true' only",
             hint="drop scaler=, or use precision='16-mixed'.",
         )
     if scaler is not None and not scaler.is_enabled():
         fail(
             "AMPPrecision",
             passed=f"scaler={type(scaler).__name__} (disabled)",
-            allowed=(
-                "an enabled scaler: a disabled one would train fp16 with neither loss scaling nor an inf "
-                "check"
-            ),
+            why="a disabled scaler would train fp16 with neither loss scaling nor an inf check",
+            allowed="an enabled scaler, or scaler=None",
             hint=(
                 "leave scaler=None (the plugin makes a LossScaler for the device it trains on), or pass one "
                 "for that device, e.g. LossScaler('cpu'); a scaler for 'cuda' is disabled where CUDA is not "
@@ -88,30 +86,90 @@ def check_arguments(
             ),
         )
     check_bool("AMPPrecision", "guard", guard)
+
     if guard is False and precision in ("16-mixed", "16-true"):
         fail(
             "AMPPrecision",
             passed=f"precision={precision!r}, guard=False",
-            allowed=(
-                "guard=False only where no loss scaler runs (bf16, fp32): fp16's loss scaler always checks "
-                "and skips"
-            ),
+            why="fp16's loss scaler always checks and skips",
+            allowed="guard=False with bf16 or fp32 only, where no loss scaler runs",
             hint="drop guard=False.",
         )
     if scaler is not None and precision == "auto":
         fail(
             "AMPPrecision",
             passed=f"precision='auto', scaler={type(scaler).__name__}",
-            allowed=(
-                "scaler= with an explicit fp16 precision ('auto' with a scaler is ambiguous: it picks "
-                "bf16, which uses no scaler, where it can)"
-            ),
+            why="'auto' with a scaler is ambiguous: it picks bf16, which uses no scaler, where it can",
+            allowed="scaler= with an explicit fp16 precision ('16-mixed' or '16-true')",
             hint="pass precision='16-mixed' together with the scaler.",
         )
     check_choice(
         "AMPPrecision", "clip_fused", clip_fused, ("auto", True, False), "use 'auto' (or a real bool)."
     )
     check_choice("AMPPrecision", "lr_on_skip", lr_on_skip, ("hold", "advance"), "use 'hold'.")
+
+
+def assigned_scaler(
+    call: str, precision: str, dtype: torch.dtype | None, scaler: object, grad_scaler: bool = True
+) -> LossScaler | None:
+    """The scaler ``plugin.scaler = scaler`` installs (a ``GradScaler`` converted); raise if it cannot work.
+
+    ``precision`` is the plugin's, ``dtype`` its resolved one (``None`` while ``"auto"`` is not
+    resolved). Refused: anything but a ``LossScaler`` (or, with ``grad_scaler``, a
+    ``torch.amp.GradScaler``), a scaler for a precision without loss scaling, ``None`` for fp16
+    (it would train without scaling), a disabled scaler.
+
+    Example:
+        >>> scaler = LossScaler("cpu", init_scale=4.0)
+        >>> assigned_scaler("AMPPrecision", "16-mixed", torch.float16, scaler) is scaler
+        True
+        >>> assigned_scaler("AMPPrecision", "bf16-mixed", torch.bfloat16, LossScaler("cpu"))
+        Traceback (most recent call last):
+        ...
+        ValueError: AMPPrecision.scaler(LossScaler) is not allowed here: ...
+    """
+    types = (LossScaler, torch.amp.GradScaler) if grad_scaler else (LossScaler,)
+    what, prop = f"{type(scaler).__name__}", f"{call}.scaler"
+    if scaler is not None and not isinstance(scaler, types):
+        fail(
+            prop,
+            passed=f"{what} {scaler!r:.60}",
+            allowed="an amp_plugin.LossScaler" + " or a torch.amp.GradScaler" * grad_scaler,
+            hint="assign LossScaler(...) (it takes GradScaler's arguments).",
+            error=TypeError,
+        )
+    fp16 = dtype == torch.float16 if dtype is not None else precision in ("16-mixed", "16-true")
+    if scaler is not None and not fp16:
+        why = (
+            "'auto' is not resolved yet, and it picks bf16, which uses no scaler, where it can"
+            if dtype is None and precision == "auto"
+            else f"`precision={precision!r}` does not use a scaler; only fp16 ('16-mixed', '16-true') does"
+        )
+        fail(
+            prop,
+            passed=what,
+            why=why,
+            allowed="a scaler with fp16 ('16-mixed', '16-true') only",
+            hint=f"leave {call}.scaler as None, or build the plugin with precision='16-mixed'.",
+        )
+    if scaler is None and fp16:
+        fail(
+            prop,
+            passed="None",
+            why=f"fp16 (precision={precision!r}) needs a loss scaler: without one it trains unscaled",
+            allowed="a LossScaler",
+            hint="assign a LossScaler, e.g. LossScaler('cpu') or LossScaler('cuda').",
+        )
+    new = LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
+    if new is not None and not new.is_enabled():
+        fail(
+            prop,
+            passed=f"{what} (disabled)",
+            why="a disabled scaler would train fp16 without loss scaling or an inf check",
+            allowed="an enabled scaler",
+            hint="assign one for the device you train on, e.g. LossScaler('cpu').",
+        )
+    return new
 
 
 def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, str]:
@@ -125,7 +183,7 @@ def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, 
         ('cpu', torch.float32, '32-true')
     """
     device_type = precisions.check_device(device, "AMPPrecision")
-    dtype = precisions.resolve_precision(requested, device_type)
+    dtype = precisions.resolve_precision(requested, device_type, call="AMPPrecision")
     name = requested
     if requested == "auto":
         name = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
@@ -134,9 +192,9 @@ def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, 
     if note is not None:  # a warning where "auto" chose it; information where it was asked for by name
         if requested == "auto":
             fix = "HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU with AMX."
-            _say_once(f"AMPPrecision({name!r}): {note}. {fix}", warn=True)
+            _say_once(f"AMPPrecision({name!r}): {note}.\n{fix}", warn=True)  # two lines fit a terminal
         else:
-            _say_once(f"AMPPrecision({name!r}): {note}; leave AMPPrecision out to train in fp32.", warn=False)
+            _say_once(f"AMPPrecision({name!r}): {note};\nleave AMPPrecision out for fp32.", warn=False)
     return device_type, dtype, name
 
 
@@ -159,10 +217,18 @@ def check_half_weights(
         >>> check_half_weights("bf16-true", True, None, "nearest", 0)
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision(precision='bf16-true', master_weights=True) is not allowed: ... HINT: ...
+        ValueError: AMPPrecision(precision='bf16-true', master_weights=True) is not allowed here: ...
     """
 
-    check_bool("AMPPrecision", "master_weights", master_weights)
+    check_master_weights("AMPPrecision", master_weights)
+    if master_weights == "remainder" and precision != "bf16-mixed":
+        fail(
+            "AMPPrecision",
+            passed=f"precision={precision!r}, master_weights='remainder'",
+            why="an fp32 master is exactly a bf16 value plus 16 more bits, and no other precision's value",
+            allowed="master_weights='remainder' with precision='bf16-mixed' only",
+            hint="use precision='bf16-mixed', or master_weights=True (fp32 masters) for fp16.",
+        )
     check_choice("AMPPrecision", "rounding", rounding, ROUNDINGS, "use 'stochastic' (or 'nearest').")
     check_int("AMPPrecision", "rounding_seed", rounding_seed, low=0)
     keep = None
@@ -173,6 +239,7 @@ def check_half_weights(
         fail(
             "AMPPrecision",
             passed=f"precision={precision!r}, master_weights=True",
+            why=f"precision={precision!r} keeps the weights in half, with no fp32 copy to master",
             allowed="master weights with '16-mixed', 'bf16-mixed' or 'auto'",
             hint=(
                 f"use precision={precision.replace('-true', '-mixed')!r} with master_weights=True (fp32 "
@@ -183,9 +250,8 @@ def check_half_weights(
         fail(
             "AMPPrecision",
             passed=f"precision={precision!r}, rounding={rounding!r}",
-            allowed=(
-                "a rounding other than 'nearest' with '16-true' or 'bf16-true' (weights without an fp32 copy)"
-            ),
+            why="weights held in fp32 lose nothing to rounding",
+            allowed="a rounding other than 'nearest' with '16-true' or 'bf16-true' only",
             hint=(
                 "use precision='bf16-true' with rounding=..., or drop rounding (fp32 weights and masters "
                 "round nothing away)."
@@ -195,10 +261,8 @@ def check_half_weights(
         fail(
             "AMPPrecision",
             passed=f"keep_fp32={keep_fp32!r}",
-            allowed=(
-                "keep_fp32 with master_weights=True or a '16-true'/'bf16-true' precision (only then are "
-                "weights cast)"
-            ),
+            why="only a cast model has weights to keep in fp32",
+            allowed="keep_fp32 with master_weights=True or a '16-true'/'bf16-true' precision",
             hint="drop keep_fp32; under autocast every weight stays fp32 anyway.",
         )
     return keep
@@ -326,11 +390,11 @@ def _check_fp16_eps(optimizers: list[Optimizer]) -> None:
                 fail(
                     "AMPPrecision('16-true')",
                     passed=f"{type(opt).__name__}(eps={eps!r})",
-                    allowed=(
-                        f"eps >= {smallest_normal:.3g} (fp16's smallest normal number) when the optimizer "
-                        "state is fp16: a smaller eps rounds to 0, and a zero second moment then divides by "
-                        "zero and writes NaN into the weights"
+                    why=(
+                        "in fp16 optimizer state that eps rounds to 0, and a zero second moment then "
+                        "divides by zero and writes NaN into the weights"
                     ),
+                    allowed=f"eps >= {smallest_normal:.3g} (fp16's smallest normal number)",
                     hint=(
                         f"build {type(opt).__name__}(..., eps=1e-4), or use precision='16-mixed' with "
                         "master_weights=True, or 'bf16-true'."

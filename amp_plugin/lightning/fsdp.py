@@ -25,7 +25,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin._validation import check_bool, fail
-from amp_plugin.lightning import _compat
+from amp_plugin.lightning import _compat, checks
+from amp_plugin.lightning.checkpoint import grad_scaler_state
 from amp_plugin.optim import handles_unscaling
 from amp_plugin.scaler import LossScaler
 from amp_plugin.step import StepDriver
@@ -52,8 +53,6 @@ class AMPFSDPPrecision(FSDPPrecision):
         True
     """
 
-    scaler: Any  # a LossScaler for "16-mixed", else None (the base class annotates ShardedGradScaler)
-
     def __init__(
         self, precision: str = "16-mixed", scaler: LossScaler | None = None, guard: bool = True
     ) -> None:
@@ -61,8 +60,11 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision",
                 passed=f"precision={precision!r}",
-                allowed=f"{precision!r} is not supported in FSDP; use one of "
-                + ", ".join(map(repr, _PRECISIONS)),
+                why=(  # FSDPPrecision's words, which users and tests match on
+                    f"`precision={precision!r}` is not supported in FSDP. `precision` must be one of: "
+                    + ", ".join(map(repr, _PRECISIONS))
+                ),
+                allowed="one of those, as for Lightning's FSDPPrecision",
                 hint="'16-mixed' is the precision that scales the loss.",
             )
         if scaler is not None and not isinstance(scaler, LossScaler):
@@ -77,7 +79,8 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision",
                 passed=f"precision={precision!r}, scaler=LossScaler",
-                allowed=f"a scaler only with '16-mixed': precision={precision!r} does not use a scaler",
+                why=f"`precision={precision!r}` does not use a scaler",  # FSDPPrecision's words
+                allowed="a scaler only with '16-mixed'",
                 hint="drop the scaler: bf16 and fp32 need none.",
             )
         check_bool("AMPFSDPPrecision", "guard", guard)
@@ -130,6 +133,36 @@ class AMPFSDPPrecision(FSDPPrecision):
             yield
         self._driver.end_batch()  # manual optimization: one update per batch, after every step
 
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also write the scale where Lightning's ``FSDPPrecision`` reads it, so going back keeps it.
+
+        Lightning files this plugin's own state under its class name; ``FSDPPrecision`` looks under
+        its own, in ``GradScaler``'s five keys.
+        """
+        scaler = self.scaler
+        if scaler is not None and (state := grad_scaler_state(scaler)):
+            checkpoint[FSDPPrecision.__qualname__] = state
+
+    @property  # type: ignore[override]  # FSDPPrecision's is a ShardedGradScaler attribute
+    def scaler(self) -> LossScaler | None:
+        """The ``"16-mixed"`` loss scaler, else ``None``; one assigned between steps is the one the steps use.
+
+        Refused (``TypeError``/``ValueError``, nothing changed): anything but a ``LossScaler``, a
+        scaler for another precision, ``None`` for ``"16-mixed"``.
+        """
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: LossScaler | None) -> None:
+        if "_driver" not in self.__dict__:  # FSDPPrecision.__init__ (through _compat) stores it
+            self._scaler = scaler
+            return
+        new = checks.assigned_scaler("AMPFSDPPrecision", str(self.precision), None, scaler, grad_scaler=False)
+        old, self._scaler = self._scaler, new
+        if old is not None and self._driver.scaler is old:
+            self._driver.scaler = new  # the steps read the driver's scaler
+
     @property
     def guard(self) -> LossScaler | None:
         """The :class:`LossScaler` that checks every step: the fp16 scaler, or a guard that scales nothing."""
@@ -153,6 +186,7 @@ class AMPFSDPPrecision(FSDPPrecision):
             fail(
                 "AMPFSDPPrecision.clip_grad_by_norm",
                 passed="guard=False",
+                why="the norm clip goes through the guard's LossScaler",
                 allowed="the guard on (the norm clip goes through its LossScaler)",
                 hint="use gradient_clip_algorithm='value', or drop guard=False.",
             )

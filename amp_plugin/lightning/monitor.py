@@ -166,14 +166,16 @@ class LossScaleMonitor(Callback):
         if guard is None:
             rank_zero_warn(
                 "LossScaleMonitor: the plugin's guard is off (guard=False), so steps with inf/NaN "
-                "gradients are applied and never counted as skipped; health reads 'unguarded'. HINT: drop "
+                "gradients are applied and never counted as skipped; health reads 'unguarded'.\nHINT: drop "
                 "guard=False to have such steps skipped and reported."
             )
         elif scaler is None:
+            # Only fp16 needs scaling; say why in the terms of the precision the run has.
+            why = "fp32 gradients do not underflow" if "32" in plugin.precision else "bf16 has fp32's range"
             rank_zero_info(
-                f"LossScaleMonitor: {plugin.precision} needs no loss scaler (bf16 has fp32's range), so "
-                "amp/scale is not logged; amp/grad_norm, amp/skipped_steps and amp/skip_rate are (its "
-                "guard skips steps with inf/NaN gradients)."
+                f"LossScaleMonitor: {plugin.precision} needs no loss scaler ({why}), so amp/scale is not "
+                "logged;\n  its guard still skips steps with inf/NaN gradients: amp/grad_norm, "
+                "amp/skipped_steps and amp/skip_rate are logged."
             )
         if guard is not None and not self._restored and self._health.steps == 0:
             # Added to a run that already trained: start from the guard's own counters.
@@ -413,7 +415,8 @@ class LossScaleMonitor(Callback):
     def _forensics(self, pl_module: LightningModule, hint: bool) -> list[str]:
         bad = diagnostics.nonfinite_gradients(pl_module.named_parameters(), limit=5)
         if bad:
-            lines = ["Non-finite gradients: " + "; ".join(str(g) for g in bad)]
+            # One parameter a line: five long names on one line overran a terminal and the examples' tables.
+            lines = ["Non-finite gradients: " + ";\n  ".join(str(g) for g in bad)]
         else:
             lines = [
                 "No gradient on this rank holds inf/NaN now (another rank overflowed, or they were cleared)."

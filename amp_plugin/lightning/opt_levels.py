@@ -12,7 +12,8 @@ O3     pure fp16           ``"16-true"``  False                False           1
 O1's per-function casting is autocast here. Apex's ``amp.initialize`` keyword arguments
 override a level's defaults under the same names (``cast_model_type``, ``keep_batchnorm_fp32``,
 ``master_weights``, ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``); any other keyword
-goes to ``AMPPrecision`` as it is. ``cast_model_type=torch.bfloat16`` gives the bf16 rungs.
+goes to ``AMPPrecision`` as it is. ``cast_model_type=torch.bfloat16`` gives the bf16 rungs, and
+``master_weights="remainder"`` with it O2 with remainder masters (bf16 only).
 Plain Python (nothing here imports Lightning); it sits beside the adapters whose arguments it builds.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from amp_plugin._validation import check_bool, fail, is_number
-from amp_plugin.master_weights import NORM_LAYERS
+from amp_plugin.master_weights import NORM_LAYERS, check_master_weights
 from amp_plugin.scaler import LossScaler
 
 __all__ = ["APEX_OPTIONS", "OPT_LEVELS", "opt_level_arguments"]
@@ -65,7 +66,7 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
         >>> opt_level_arguments("O4")
         Traceback (most recent call last):
         ...
-        ValueError: AMPPrecision.from_opt_level(level='O4') is not allowed: one of 'O0', ... HINT: ...
+        ValueError: AMPPrecision.from_opt_level(level='O4') is not allowed here: Apex has no ....
     """
     if level not in OPT_LEVELS:
         hint = (
@@ -74,10 +75,11 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
         fail(
             _CALL,
             passed=f"level={level!r}",
+            why="Apex has no such opt level",
             allowed="one of " + ", ".join(map(repr, OPT_LEVELS)),
             hint=f"{hint} (the letter O, not zero).",
         )
-    cast, keep_bn, masters, loss_scale = _TABLE[str(level)]
+    cast, keep_bn, level_masters, loss_scale = _TABLE[str(level)]
     apex = {k: overrides.pop(k) for k in APEX_OPTIONS if k in overrides}
     cast = apex.get("cast_model_type", cast)
     if cast not in (None, torch.float16, torch.bfloat16, torch.float32):
@@ -88,11 +90,11 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
             hint="pass a torch dtype, e.g. torch.float16.",
             error=TypeError,
         )
-    masters = check_bool(_CALL, "master_weights", apex.get("master_weights", masters))
+    half = torch.bfloat16 if cast == torch.bfloat16 else torch.float16
+    masters = check_master_weights(_CALL, apex.get("master_weights", level_masters), half)
     keep = apex.get("keep_batchnorm_fp32", keep_bn)
     if keep is not None:
         check_bool(_CALL, "keep_batchnorm_fp32", keep)
-    half = torch.bfloat16 if cast == torch.bfloat16 else torch.float16
     prefix = "bf16" if half == torch.bfloat16 else "16"
     args: dict[str, Any]
     if cast == torch.float32:
@@ -104,7 +106,8 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
     if masters and cast in (None, torch.float32):
         fail(
             _CALL,
-            passed=f"level={level!r}, master_weights=True",
+            passed=f"level={level!r}, master_weights={masters!r}",
+            why="only a model cast to half has weights to master",
             allowed=(
                 "master weights with a model cast to half (O2, or cast_model_type=torch.float16/bfloat16)"
             ),
@@ -120,6 +123,7 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
         fail(
             _CALL,
             passed=f"{clash[0]}=...",
+            why=f"the opt level sets {clash[0]}",
             allowed=f"no {clash[0]!r} next to an opt level (the level sets it)",
             hint=f"use Apex's keywords ({', '.join(APEX_OPTIONS)}) or AMPPrecision(...) directly.",
         )
@@ -135,6 +139,7 @@ def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str
             fail(
                 _CALL,
                 passed=f"loss_scale={apex.get('loss_scale')!r}",
+                why="bf16 and fp32 need no loss scaling",
                 allowed="no loss scaling with bf16 or fp32",
                 hint="drop loss_scale, min_loss_scale and max_loss_scale.",
             )
@@ -143,6 +148,7 @@ def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str
         fail(
             _CALL,
             passed=f"loss_scale={loss_scale!r}",
+            why="a loss scale must be a positive number",
             allowed="'dynamic' or a finite number > 0",
             hint="use loss_scale='dynamic'.",
         )
@@ -155,6 +161,7 @@ def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str
             fail(
                 _CALL,
                 passed="min_loss_scale/max_loss_scale with a static loss_scale",
+                why="a static loss scale never moves, so it has no bounds",
                 allowed=("bounds only with loss_scale='dynamic'"),
                 hint="drop the bounds, or use loss_scale='dynamic'.",
             )

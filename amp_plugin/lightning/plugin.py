@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -25,6 +26,7 @@ from typing_extensions import override
 
 from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
+from amp_plugin._validation import fail
 from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
 from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
@@ -36,6 +38,7 @@ from amp_plugin.precision import Precision as PrecisionName
 from amp_plugin.precision import default_dtype, true_dtype
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
+from amp_plugin.spike import SpikeGuard, check_spike_guard
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
@@ -68,6 +71,9 @@ class AMPPrecision(MixedPrecision):
             scaled gradients); ``False`` unscales before the hooks, as Lightning does.
         master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
             optimizer step fp32 master copies (Apex's O2); checkpoints keep the fp32 values.
+            ``"remainder"`` (with ``"bf16-mixed"``) keeps the same exact fp32 masters as the bf16
+            weights plus an int16 remainder each: 2 bytes per parameter less (see
+            :mod:`amp_plugin.master_weights`).
         keep_fp32: module classes whose weights stay fp32 when the model is cast; default: the
             normalization layers with master weights, nothing with "-true" precisions.
         rounding: how updates are written into "-true" weights: ``"nearest"`` (the optimizer's
@@ -88,6 +94,15 @@ class AMPPrecision(MixedPrecision):
             ``"bf16-mixed"``): a recipe name (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``) or a :class:`~amp_plugin.fp8.Float8` (recipe, layer filter);
             the choice is reported at fit start and kept in :attr:`fp8_report`.
+        fp32_grad_accumulation: with half weights (master weights or "-true") and
+            ``Trainer(accumulate_grad_batches > 1)``, add the micro-batch gradients up in fp32
+            (4 bytes per trainable half parameter, held from the first micro-batch to the step)
+            instead of in the half ``.grad``, whose every addition rounds to 8 (bf16) or 11 (fp16)
+            significant bits; see :mod:`amp_plugin.grad_accumulation`. Single-device strategies
+            only: under DDP and the other strategies it is off, with a warning.
+        spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
+            jumps far above its recent history (counted as a skip; the scale does not back off).
+            It is handed to the :attr:`guard`.
 
     Example:
         >>> plugin = AMPPrecision("16-mixed", device="cpu")
@@ -95,7 +110,6 @@ class AMPPrecision(MixedPrecision):
         ('16-mixed', torch.float16, 'LossScaler')
     """
 
-    scaler: LossScaler | None  # type: ignore[assignment]  # MixedPrecision's is a GradScaler
     precision: PrecisionName | str  # type: ignore[assignment]  # "auto" until resolved; Lightning's Literal lacks it
     device: str | None  # type: ignore[assignment]  # None until resolved at setup
 
@@ -108,15 +122,27 @@ class AMPPrecision(MixedPrecision):
         fp32_modules: Sequence[type[nn.Module]] = (),
         clip_fused: Literal["auto"] | bool = "auto",
         lr_on_skip: Literal["hold", "advance"] = "hold",
-        master_weights: bool = False,
+        master_weights: bool | Literal["remainder"] = False,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
         rounding_seed: int = 0,
         fp32_functions: Callable[..., Any] | Sequence[Callable[..., Any]] = (),
         guard: bool = True,
         fp8: Recipe | Float8 | None = None,
+        fp32_grad_accumulation: bool = True,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, clip_fused, lr_on_skip, guard)
+        self.spike_guard = check_spike_guard("AMPPrecision", spike_guard, guard)
+        if not isinstance(fp32_grad_accumulation, bool):
+            fail(
+                "AMPPrecision",
+                passed=f"fp32_grad_accumulation={fp32_grad_accumulation!r:.60}",
+                allowed="True or False",
+                hint="pass False to add micro-batch gradients up in the half .grad (2 bytes per parameter).",
+                error=TypeError,
+            )
+        self.fp32_grad_accumulation = fp32_grad_accumulation
         self.fp8 = check_fp8_request("AMPPrecision", fp8, precision, master_weights)
         self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
@@ -135,7 +161,7 @@ class AMPPrecision(MixedPrecision):
             if master_weights or precision in ("16-true", "bf16-true")
             else None
         )
-        self.scaler = (
+        self._scaler = (
             LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
         )
         self.device = None
@@ -149,6 +175,10 @@ class AMPPrecision(MixedPrecision):
         self._driver: StepDriver | None = None  # built when the precision is resolved
         if device is not None:
             self._resolve(device)
+
+    def __repr__(self) -> str:
+        # Lightning names a plugin it refuses ("Received both `precision=...` and `plugins=...`") by str().
+        return f"amp_plugin.AMPPrecision({self.requested!r})"
 
     @classmethod
     def from_opt_level(cls, level: Literal["O0", "O1", "O2", "O3"], **overrides: Any) -> AMPPrecision:
@@ -172,11 +202,13 @@ class AMPPrecision(MixedPrecision):
     def _resolve(self, device: object) -> tuple[str, torch.dtype]:
         device_type, dtype, self.precision = checks.resolve_settings(self.requested, device)
         # A scaler comes only with "16-mixed" (check_arguments), which always resolves to fp16.
-        if self.scaler is None and dtype == torch.float16:
-            self.scaler = LossScaler(kernels=self.kernels)
+        if self._scaler is None and dtype == torch.float16:
+            self._scaler = LossScaler(kernels=self.kernels)
         guard = self.scaler
         if guard is None and self._guard:  # nothing to scale: a guard that only checks and skips
             guard = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
+        if guard is not None and self.spike_guard is not None:
+            guard.spike_guard = self.spike_guard
         if self._driver is None or self._driver.scaler is not guard:
             self._driver = StepDriver(
                 guard, None if self._half is None else self._half.before_step, self.kernels
@@ -230,6 +262,7 @@ class AMPPrecision(MixedPrecision):
         )
         if self._half is not None:
             self._half.attach(optimizers)
+            self._half.accumulate_in_fp32(self._accumulates_in_fp32(model, module))
         lbfgs = any(map(checks.is_lbfgs, optimizers))
         if lbfgs and self.scaler is None and self._half is None and self._guard:
             rank_zero_warn(checks.LBFGS_UNGUARDED)
@@ -249,6 +282,18 @@ class AMPPrecision(MixedPrecision):
                     config.scheduler, self._require_driver(), self.lr_on_skip
                 )
         return model, optimizers, lr_schedulers
+
+    def _accumulates_in_fp32(self, model: nn.Module, module: nn.Module) -> bool:
+        """Whether this fit adds micro-batches up in fp32: asked for, accumulating, one device."""
+        trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
+        if not self.fp32_grad_accumulation or trainer is None or trainer.accumulate_grad_batches <= 1:
+            return False
+        if isinstance(trainer.strategy, SingleDeviceStrategy):
+            return True
+        # DDP all-reduces the .grad it finds at the last micro-batch; a hook that empties .grad after
+        # every backward would hand it only that micro-batch, so the fp32 path stays single-device.
+        rank_zero_warn(_NO_FP32_ACCUMULATION.format(strategy=type(trainer.strategy).__name__))
+        return False
 
     @override
     def teardown(self) -> None:
@@ -339,6 +384,8 @@ class AMPPrecision(MixedPrecision):
             return super(MixedPrecision, self).optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()  # the half gradients must exist before the masters take them
         if closure_result is None and model.automatic_optimization:
+            if self._half is not None:  # the hooks and the next zero_grad see the sums, as without it
+                self._half.flush_gradients(optimizer)
             self._no_clip = True
             try:
                 driver.not_stepped(optimizer, lambda: self._observe_gradients(model, optimizer))
@@ -453,6 +500,32 @@ class AMPPrecision(MixedPrecision):
             self.last_grad_norm = self._require_driver().grad_norm(optimizer)
         self._require_driver().clip_grad_value_(optimizer, float(clip_val))
 
+    @property  # type: ignore[override]  # MixedPrecision's is a GradScaler attribute
+    def scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler (``None`` for the other precisions, and for ``"auto"`` until resolved).
+
+        Assigning one between steps (``precision.scaler = LossScaler(...)``) makes the steps use it:
+        it is also the :attr:`guard`. A ``torch.amp.GradScaler`` is converted, as in the constructor.
+        Refused (``TypeError``/``ValueError``, nothing changed): anything else, a scaler for a
+        precision without loss scaling, ``None`` for fp16.
+
+        Example:
+            >>> plugin = AMPPrecision("16-mixed", device="cpu")
+            >>> plugin.scaler = LossScaler("cpu", init_scale=8.0)
+            >>> plugin.guard is plugin.scaler, plugin.scaler.get_scale()
+            (True, 8.0)
+        """
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: LossScaler | torch.amp.GradScaler | None) -> None:
+        new = checks.assigned_scaler("AMPPrecision", str(self.precision), self.dtype, scaler)
+        old, self._scaler = self._scaler, new
+        if self._driver is not None and old is not None and self._driver.scaler is old:
+            self._driver.scaler = new  # the steps read the driver's scaler
+        if new is not None and self.spike_guard is not None:
+            new.spike_guard = self.spike_guard
+
     @property
     def guard(self) -> LossScaler | None:
         """The :class:`LossScaler` that checks every step and skips non-finite ones.
@@ -479,9 +552,16 @@ class AMPPrecision(MixedPrecision):
         return self._driver
 
 
+_NO_FP32_ACCUMULATION = (
+    "AMPPrecision: fp32 gradient accumulation is off under {strategy} (it runs with single-device "
+    "strategies only); micro-batch gradients add up in the half-precision .grad, rounding each sum. "
+    "HINT: pass AMPPrecision(fp32_grad_accumulation=False) to silence this, or use fewer, larger "
+    "micro-batches."
+)
+
 _IN_FABRIC = (
-    "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed: that is the Trainer's "
-    "plugin; Fabric takes amp_plugin.fabric.AMPPrecision (the same arguments). "
+    "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed here: that is the "
+    "Trainer's plugin. Allowed: amp_plugin.fabric.AMPPrecision (the same arguments). "
     "HINT: from amp_plugin.fabric import AMPPrecision"
 )
 

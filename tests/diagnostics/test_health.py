@@ -93,20 +93,26 @@ def test_state_dict_round_trip_continues_the_same_way() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"warmup_steps": 1.5}, TypeError, r"warmup_steps=1.5\) is not allowed: an int >= 0"),
-        ({"warmup_steps": "10"}, TypeError, r"warmup_steps='10'\) is not allowed: an int >= 0"),
-        ({"warmup_steps": -1}, ValueError, r"warmup_steps=-1\) is not allowed: an int >= 0"),
-        ({"window": -3}, ValueError, r"window=-3\) is not allowed: an int >= 1"),
-        ({"window": 0}, ValueError, r"window=0\) is not allowed: an int >= 1"),
-        ({"max_consecutive_skips": 0}, ValueError, r"max_consecutive_skips=0\) is not allowed: an int >= 1"),
-        ({"max_consecutive_skips": True}, TypeError, r"max_consecutive_skips=True\) is not allowed: an int"),
-        ({"max_skip_rate": 0}, ValueError, r"max_skip_rate=0\) is not allowed: a finite number > 0 and <= 1"),
-        ({"max_skip_rate": 1.5}, ValueError, r"max_skip_rate=1.5\) is not allowed: a finite number > 0"),
+        ({"warmup_steps": 1.5}, TypeError, r"warmup_steps=1.5\) is not allowed here: .*an int >= 0"),
+        ({"warmup_steps": "10"}, TypeError, r"warmup_steps='10'\) is not allowed here: .*an int >= 0"),
+        ({"warmup_steps": -1}, ValueError, r"warmup_steps=-1\) is not allowed here: .*an int >= 0"),
+        ({"window": -3}, ValueError, r"window=-3\) is not allowed here: .*an int >= 1"),
+        ({"window": 0}, ValueError, r"window=0\) is not allowed here: .*an int >= 1"),
+        ({"max_consecutive_skips": 0}, ValueError, r"max_consecutive_skips=0\) is not allowed here: "
+            r".*an int >= 1"),
+        ({"max_consecutive_skips": True}, TypeError, r"max_consecutive_skips=True\) is not allowed here: "
+            r".*an int"),
+        ({"max_skip_rate": 0}, ValueError, r"max_skip_rate=0\) is not allowed here: "
+            r".*a finite number > 0 and <= 1"),
+        ({"max_skip_rate": 1.5}, ValueError, r"max_skip_rate=1.5\) is not allowed here: "
+            r".*a finite number > 0"),
         ({"max_skip_rate": float("nan")}, ValueError, r"max_skip_rate=nan\) is not allowed"),
         ({"max_skip_rate": False}, TypeError, r"max_skip_rate=False\) is not allowed"),
         ({"max_skip_rate": "0.05"}, TypeError, r"max_skip_rate='0.05'\) is not allowed"),
-        ({"min_scale": 0.0}, ValueError, r"min_scale=0.0\) is not allowed: None or a finite number > 0"),
-        ({"min_scale": "1"}, TypeError, r"min_scale='1'\) is not allowed: None or a finite number > 0"),
+        ({"min_scale": 0.0}, ValueError, r"min_scale=0.0\) is not allowed here: "
+            r".*None or a finite number > 0"),
+        ({"min_scale": "1"}, TypeError, r"min_scale='1'\) is not allowed here: "
+            r".*None or a finite number > 0"),
     ],
 )
 def test_bad_policy_raises(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -117,10 +123,11 @@ def test_bad_policy_raises(kwargs: dict[str, Any], error: type[Exception], match
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
-        (("False",), TypeError, r"skipped='False'\) is not allowed: a bool"),
-        ((1,), TypeError, r"skipped=1\) is not allowed: a bool"),
-        ((True, "512"), TypeError, r"scale='512'\) is not allowed: None or a finite number >= 0"),
-        ((True, float("nan")), ValueError, r"scale=nan\) is not allowed: None or a finite number >= 0"),
+        (("False",), TypeError, r"skipped='False'\) is not allowed here: .*a bool"),
+        ((1,), TypeError, r"skipped=1\) is not allowed here: .*a bool"),
+        ((True, "512"), TypeError, r"scale='512'\) is not allowed here: .*None or a finite number >= 0"),
+        ((True, float("nan")), ValueError, r"scale=nan\) is not allowed here: "
+            r".*None or a finite number >= 0"),
         ((True, -2.0), ValueError, r"scale=-2.0\) is not allowed"),
     ],
 )
@@ -152,22 +159,24 @@ def _saved() -> dict[str, Any]:
 
 
 BAD_HEALTH_STATES: list[tuple[dict[str, Any], str]] = [
-    ({"state": "ok"}, r"state='ok'\) is not allowed: one of 'clean', 'warm-up', 'sporadic', 'pathological'"),
-    ({"steps": "8"}, r"steps='8'\) is not allowed: an int >= 0"),
-    ({"steps": -1}, r"steps=-1\) is not allowed: an int >= 0"),
-    ({"skipped": 9}, r"skipped=9\) is not allowed: an int from 0 to steps=8"),
-    ({"steps": 0, "flags": []}, r"skipped=2\) is not allowed: an int from 0 to steps=0"),
-    ({"skipped": 1.0}, r"skipped=1.0\) is not allowed: an int from 0 to steps=8"),
-    ({"warmup_skipped": 3}, r"warmup_skipped=3\) is not allowed: an int from 0 to skipped=2"),
-    ({"consecutive": 3}, r"consecutive=3\) is not allowed: an int from 0 to skipped=2"),
-    ({"consecutive": 0}, r"consecutive=0\) is not allowed: the number of skipped steps that end flags \(1\)"),
-    ({"scale": "512"}, r"scale='512'\) is not allowed: None or a finite number >= 0"),
-    ({"scale": -1.0}, r"scale=-1.0\) is not allowed: None or a finite number >= 0"),
+    ({"state": "ok"}, r"state='ok'\) is not allowed here: "
+        r".*one of 'clean', 'warm-up', 'sporadic', 'pathological'"),
+    ({"steps": "8"}, r"steps='8'\) is not allowed here: .*an int >= 0"),
+    ({"steps": -1}, r"steps=-1\) is not allowed here: .*an int >= 0"),
+    ({"skipped": 9}, r"skipped=9\) is not allowed here: .*an int from 0 to steps=8"),
+    ({"steps": 0, "flags": []}, r"skipped=2\) is not allowed here: .*an int from 0 to steps=0"),
+    ({"skipped": 1.0}, r"skipped=1.0\) is not allowed here: .*an int from 0 to steps=8"),
+    ({"warmup_skipped": 3}, r"warmup_skipped=3\) is not allowed here: .*an int from 0 to skipped=2"),
+    ({"consecutive": 3}, r"consecutive=3\) is not allowed here: .*an int from 0 to skipped=2"),
+    ({"consecutive": 0}, r"consecutive=0\) is not allowed here: "
+        r".*the number of skipped steps that end flags \(1\)"),
+    ({"scale": "512"}, r"scale='512'\) is not allowed here: .*None or a finite number >= 0"),
+    ({"scale": -1.0}, r"scale=-1.0\) is not allowed here: .*None or a finite number >= 0"),
     ({"scale": float("nan")}, r"scale=nan\) is not allowed"),
-    ({"flags": "x......x"}, r"flags='x......x'\) is not allowed: a list of bools"),
-    ({"flags": [1, 0]}, r"flags=\[1, 0\]\) is not allowed: a list of bools"),
-    ({"flags": [False] * 9}, r"flags=.*\) is not allowed: a list of bools, at most steps=8 long"),
-    ({"flags": [True, True, True]}, r"flags=.*\) is not allowed: .*with at most skipped=2 True"),
+    ({"flags": "x......x"}, r"flags='x......x'\) is not allowed here: .*a list of bools"),
+    ({"flags": [1, 0]}, r"flags=\[1, 0\]\) is not allowed here: .*a list of bools"),
+    ({"flags": [False] * 9}, r"flags=.*\) is not allowed here: .*a list of bools, at most steps=8 long"),
+    ({"flags": [True, True, True]}, r"flags=.*\) is not allowed here: .*.*with at most skipped=2 True"),
 ]
 
 
@@ -189,12 +198,12 @@ def test_health_load_state_dict_checks_everything_before_changing_anything(
         (
             [("steps", 1)],
             TypeError,
-            r"state_dict=list\) is not allowed: the dict from SkipHealth\.state_dict",
+            r"state_dict=list\) is not allowed here: .*the dict from SkipHealth\.state_dict",
         ),
         (
             {"steps": 1},
             ValueError,
-            r"state_dict with keys \['steps'\]\) is not allowed: .*missing .*'consecutive'",
+            r"state_dict with keys \['steps'\]\) is not allowed here: .*.*missing .*'consecutive'",
         ),
     ],
 )

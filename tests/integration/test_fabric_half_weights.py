@@ -271,7 +271,7 @@ def test_16_true_refuses_an_eps_that_rounds_to_zero_before_the_first_step() -> N
     before = _snapshot(model, opt)
     fabric.backward(model(_batches()[0][0]).float().sum())
     with pytest.raises(
-        ValueError, match=r"AdamW\(eps=1e-08\).*6.1e-05.*NaN.*HINT: build AdamW\(\.\.\., eps=1e-4\)"
+        ValueError, match=r"AdamW\(eps=1e-08\).*NaN.*6.1e-05.*HINT: build AdamW\(\.\.\., eps=1e-4\)"
     ):
         opt.step()
     _assert_same(before, _snapshot(model, opt))

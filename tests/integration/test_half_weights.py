@@ -229,7 +229,7 @@ def test_the_checkpoint_holds_the_fp32_master_weights(tmp_path: Path) -> None:
 
 def test_fp16_true_refuses_an_eps_that_rounds_to_zero() -> None:
     with pytest.raises(
-        ValueError, match=r"AdamW\(eps=1e-08\).*6.1e-05.*NaN.*HINT: build AdamW\(\.\.\., eps=1e-4\)"
+        ValueError, match=r"AdamW\(eps=1e-08\).*NaN.*6.1e-05.*HINT: build AdamW\(\.\.\., eps=1e-4\)"
     ):
         _fit(AMPPrecision("16-true"), Regressor(eps=1e-8), max_steps=1)
 

@@ -1,10 +1,10 @@
 """Host reads per training step, against Lightning's ``MixedPrecision`` on the same run.
 
 A host read (``.item()``, ``bool(tensor)``, ``.tolist()``) is ``aten._local_scalar_dense``; on a
-GPU each one waits for the device. The guard adds none on steps that do not log when the
-optimizer is fused (the skip happens inside its kernel), and at most one with a non-fused
-optimizer (which must be skipped on the host), shared by the scaler, the scheduler hold and
-the monitor.
+GPU each one waits for the device. On steps that do not log the guard adds at most one, shared
+by the scaler, the scheduler hold and the monitor: a non-fused optimizer must be skipped on the
+host; a fused one skips inside its kernel, and its flag is read only to hold a step-interval
+scheduler on the skipped step itself (none with ``lr_on_skip="advance"``).
 """
 
 from __future__ import annotations
@@ -78,17 +78,23 @@ def _lightning(precision: str) -> MixedPrecision:
     return MixedPrecision(precision, device="cpu", scaler=scaler)  # type: ignore[arg-type]
 
 
-def _ours(precision: str) -> AMPPrecision:
+def _ours(precision: str, lr_on_skip: str) -> AMPPrecision:
     scaler = LossScaler(init_scale=2.0**8) if precision == "16-mixed" else None
-    return AMPPrecision(precision, device="cpu", scaler=scaler)
+    return AMPPrecision(precision, device="cpu", scaler=scaler, lr_on_skip=lr_on_skip)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-@pytest.mark.parametrize(("fused", "extra"), [(True, 0), (False, 1)], ids=["fused", "non-fused"])
+@pytest.mark.parametrize(
+    ("fused", "lr_on_skip", "extra"),
+    [(True, "hold", 1), (True, "advance", 0), (False, "hold", 1)],
+    ids=["fused-hold", "fused-advance", "non-fused"],
+)
 @pytest.mark.filterwarnings("ignore:.*emulates.*")
-def test_no_extra_host_read_on_steps_that_do_not_log(precision: str, fused: bool, extra: int) -> None:
+def test_no_extra_host_read_on_steps_that_do_not_log(
+    precision: str, fused: bool, lr_on_skip: str, extra: int
+) -> None:
     theirs = _reads(_lightning(precision), fused, monitor=False)
-    ours = _reads(_ours(precision), fused, monitor=True)
+    ours = _reads(_ours(precision, lr_on_skip), fused, monitor=True)
     logged = {i for i in range(STEPS) if (i + 1) % LOG_EVERY == 0} | {STEPS - 1}
     quiet = [i for i in range(STEPS) if i not in logged and i > 0]  # step 0 creates the scale
     assert all(ours[i] - theirs[i] <= extra for i in quiet), (ours, theirs)

@@ -192,6 +192,13 @@ def test_bf16_logs_norm_and_skips_and_says_once_why_no_scale(
     assert len(rows) == 6 and all("amp/scale" not in r for r in rows)
     assert all(r["amp/skipped_steps"] == 0 and r["amp/grad_norm"] > 0 for r in rows)
     assert said.text.count("amp/scale is not logged") == 1
+    assert "bf16-mixed needs no loss scaler (bf16 has fp32's range)" in said.text
+
+
+def test_fp32_says_why_no_scale_in_fp32_terms(said: pytest.LogCaptureFixture) -> None:
+    _fit(Probe(poison=()), LossScaleMonitor(), AMPPrecision("32-true"), steps=2)
+    assert "32-true needs no loss scaler (fp32 gradients do not underflow)" in said.text
+    assert "bf16" not in said.text
 
 
 def test_no_logger_keeps_the_summary_and_says_so_once(said: pytest.LogCaptureFixture) -> None:

@@ -297,10 +297,13 @@ def test_manual_optimization_double_step_raises() -> None:
         _fit(Twice(), AMPPrecision("16-mixed", device="cpu"), steps=2)
 
 
-def _fit_epochs(module: LightningModule, plugin: Any, epochs: int, ckpt: str | None = None) -> Trainer:
+def _fit_epochs(
+    module: LightningModule, plugin: Any, epochs: int, ckpt: str | None = None, **trainer_kwargs: Any
+) -> Trainer:
     trainer = Trainer(
         accelerator="cpu", devices=1, max_epochs=epochs, plugins=[plugin], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **trainer_kwargs,
     )  # fmt: skip
     trainer.fit(module, _loader(n=5), ckpt_path=ckpt)
     return trainer

@@ -151,7 +151,7 @@ def test_an_emulated_precision_asked_for_by_name_is_information_and_auto_warns(
         AMPPrecision("bf16-mixed", device="cpu")
     assert "AMPPrecision('bf16-mixed'): this CPU has no bf16 instructions" in caplog.text
     assert not [w for w in caught if "emulates" in str(w.message)]
-    said = r"AMPPrecision\('bf16-mixed'\): this CPU has no bf16 .* HINT: train in fp32"
+    said = r"AMPPrecision\('bf16-mixed'\): this CPU has no bf16 .*\nHINT: train in fp32"  # two lines
     with pytest.warns(UserWarning, match=said):
         AMPPrecision("auto", device="cpu")
 

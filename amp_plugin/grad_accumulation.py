@@ -1,0 +1,105 @@
+"""fp32 gradient accumulation for a model whose parameters are held in fp16 or bf16.
+
+With gradient accumulation, torch adds each micro-batch's gradient into the parameter's ``.grad``
+in the parameter's dtype: in bf16 every addition rounds to 8 significant bits (fp16: 11), so a
+micro-batch gradient much smaller than the running sum is lost. :class:`Fp32GradAccumulation`
+moves each half gradient into an fp32 sum as soon as backward has written it (a
+``register_post_accumulate_grad_hook`` per parameter) and clears the half ``.grad``, so the sum is
+rounded at most once. :meth:`~Fp32GradAccumulation.flush_` hands the sums to the step: into an
+fp32 master's ``.grad`` as they are, or into the half ``.grad`` rounded once; then they are freed.
+
+Memory: 4 bytes per trainable half parameter between the first backward of a step and its
+flush (the half ``.grad`` lives only inside each backward). Plain torch: nothing here imports
+Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["Fp32GradAccumulation"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class Fp32GradAccumulation:
+    """Add the half gradients of ``params`` up in fp32 until :meth:`flush_`.
+
+    Args:
+        params: the parameters to accumulate; only trainable fp16/bf16 ones are hooked (fp32
+            ones already add up in fp32).
+
+    Example:
+        >>> w = nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+        >>> acc = Fp32GradAccumulation([w])
+        >>> for g in [1.0] + [2.0**-10] * 8:
+        ...     (w * g).sum().backward()
+        >>> w.grad is None, acc.pending()
+        (True, 1)
+        >>> acc.flush_([(w, w)])  # rounded once into the bf16 .grad
+        >>> w.grad.item()  # 1 + 8 * 2**-10; adding up in the bf16 .grad would have stayed at 1.0
+        1.0078125
+        >>> acc.remove()
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self._sums: dict[int, Tensor] = {}
+        self._handles: list[RemovableHandle] = []
+        seen: set[int] = set()
+        for param in params:
+            if id(param) in seen or not param.requires_grad or param.dtype not in _HALF:
+                continue
+            seen.add(id(param))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._take))
+
+    def __len__(self) -> int:
+        """How many parameters are hooked."""
+        return len(self._handles)
+
+    def pending(self) -> int:
+        """How many fp32 sums are held now (each frees at :meth:`flush_` or :meth:`clear`)."""
+        return len(self._sums)
+
+    @torch.no_grad()
+    def _take(self, param: Tensor) -> None:
+        grad = param.grad
+        if grad is None or grad.is_sparse:  # sparse gradients keep torch's own accumulation
+            return
+        total = self._sums.get(id(param))
+        if total is None:
+            self._sums[id(param)] = grad.float()  # a new fp32 tensor (a cast copy)
+        else:
+            total.add_(grad)  # fp32 += half: computed in fp32, rounded once to fp32
+        param.grad = None  # the next micro-batch's gradient is assigned, not added in half
+
+    @torch.no_grad()
+    def flush_(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """For each ``(param, target)``, add ``param``'s fp32 sum into ``target.grad``; free it.
+
+        ``target`` is ``param`` itself (the sum is rounded once into its half ``.grad``) or its fp32
+        master (the sum becomes the master's ``.grad`` with no copy). A gradient already in
+        ``target.grad`` (written with the hooks off) is added to the sum. Parameters without a
+        sum are left as they are.
+        """
+        for param, target in pairs:
+            total = self._sums.pop(id(param), None)
+            if total is None:
+                continue
+            if target.grad is not None:
+                total.add_(target.grad)
+            target.grad = total if target.dtype == torch.float32 else total.to(target.dtype)
+
+    def clear(self) -> None:
+        """Drop every fp32 sum (what ``zero_grad`` does to gradients)."""
+        self._sums.clear()
+
+    def remove(self) -> None:
+        """Unhook every parameter and drop the sums: gradients add up in ``.grad`` again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._sums.clear()

@@ -1,0 +1,121 @@
+"""A step-interval LR scheduler holds on the skipped step itself, fused optimizers included.
+
+The oracle is the same fit with a non-fused AdamW, whose skip is decided on the host: the LR at
+the start of every step must be the same with ``AdamW(fused=True)``, in every precision. And a fit
+resumed from a checkpoint written after a skipped step ends bit-exactly where the uninterrupted
+fit ends: weights, optimizer state, scheduler and skip count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
+
+BATCHES = 5  # per epoch
+POISONED = (3, 7)  # global batch indices whose gradients hold an inf
+
+
+class _Model(LightningModule):
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.fused = fused
+        self.lrs: list[float] = []  # the LR at the start of each step
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def on_after_backward(self) -> None:
+        if self.trainer.fit_loop.total_batch_idx in POISONED:
+            self.net[2].weight.grad[0, 3] = float("inf")
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCHES * 4, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def _trainer(precision: str, epochs: int, **kwargs: Any) -> Trainer:
+    # fp16 starts at a scale that does not overflow, so that only the poisoned steps are skipped.
+    scaler = LossScaler(init_scale=2.0**4) if precision == "16-mixed" else None
+    plugin = AMPPrecision(precision, device="cpu", scaler=scaler)  # type: ignore[arg-type]
+    return Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, plugins=[plugin],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **kwargs,
+    )  # fmt: skip
+
+
+PRECISIONS = ["bf16-mixed", "16-mixed", "32-true"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.filterwarnings("ignore:.*emulates.*")
+def test_a_fused_optimizers_scheduler_holds_on_the_skipped_step_itself(precision: str) -> None:
+    lrs = {}
+    for fused in (False, True):
+        model = _Model(fused)
+        trainer = _trainer(precision, epochs=2)
+        trainer.fit(model, _loader())
+        lrs[fused] = model.lrs
+        assert trainer.precision_plugin.guard.skipped_steps == len(POISONED)  # type: ignore[attr-defined]
+    held = [i for i in range(1, len(lrs[False])) if lrs[False][i] == lrs[False][i - 1]]
+    assert held == [p + 1 for p in POISONED]  # the oracle holds right after each skipped step
+    assert lrs[True] == lrs[False]
+
+
+def _state(model: _Model, trainer: Trainer, monitor: LossScaleMonitor) -> dict[str, Any]:
+    opt = trainer.optimizers[0]
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    return {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "adam": [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()],
+        "last_epoch": sched.last_epoch,  # type: ignore[union-attr]
+        "lr": opt.param_groups[0]["lr"],
+        "skipped": trainer.precision_plugin.guard.skipped_steps,  # type: ignore[attr-defined]
+        "health": monitor.state_dict()["health"],  # the monitor's step and skip counts
+    }
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.filterwarnings("ignore:.*emulates.*")
+def test_a_resume_across_a_skip_with_fused_adamw_is_bit_exact(precision: str, tmp_path: Path) -> None:
+    whole, monitor = _Model(fused=True), LossScaleMonitor()
+    trainer = _trainer(precision, epochs=3, callbacks=[monitor])
+    trainer.fit(whole, _loader())
+    expected = _state(whole, trainer, monitor)
+
+    first = _Model(fused=True)
+    trainer = _trainer(precision, epochs=1, callbacks=[LossScaleMonitor()])  # after batch 4; 3 was skipped
+    trainer.fit(first, _loader())
+    ckpt = tmp_path / "after_skip.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed, monitor = _Model(fused=True), LossScaleMonitor()
+    trainer = _trainer(precision, epochs=3, callbacks=[monitor])
+    trainer.fit(resumed, _loader(), ckpt_path=ckpt)
+    got = _state(resumed, trainer, monitor)
+
+    for key in ("last_epoch", "lr", "skipped", "health"):
+        assert got[key] == expected[key], key
+    assert all(torch.equal(a, b) for a, b in zip(got["weights"], expected["weights"], strict=True))
+    for a, b in zip(got["adam"], expected["adam"], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in b)
