@@ -208,11 +208,12 @@ class DynamicScale:
             return
         self._streak_reported = True
         warnings.warn(
-            f"LossScaler: {self._longest} optimizer steps in a row were skipped for inf/NaN gradients (or "
-            f"losses), by step {self.total_steps}: no weight was changed by them, but the run is not "
-            "training. HINT: find the first module that produces inf/NaN (amp_plugin.diagnostics."
-            "NonFiniteTracer or LossScaleMonitor(trace_nonfinite=True)), check the data and the learning "
-            "rate; LossScaleMonitor reports the run's health as it goes.",
+            # One short line each: a terminal or a log viewer shows the whole of it.
+            f"LossScaler: {self._longest} optimizer steps in a row were skipped for inf/NaN gradients "
+            f"(or losses), by step {self.total_steps}.\n"
+            "No weight was changed by them, but the run is not training.\n"
+            "HINT: find the first module that produces inf/NaN (LossScaleMonitor(trace_nonfinite=True) "
+            "or amp_plugin.diagnostics.NonFiniteTracer); check the data and the learning rate.",
             SkipStreakWarning,
             stacklevel=4,
         )

@@ -358,3 +358,20 @@ def test_a_report_without_matplotlib_keeps_its_tables(
     section = REPORT.section("numerics_speed.py", [], {**_ENV, **CANNED["numerics_speed"]}, 1.0, tmp_path)
     assert "(No chart: matplotlib is not installed.)" in section
     assert "| bf16 | stochastic_round | 2.255 | 2.4x |" in section
+
+
+def test_update_clears_a_rerun_benchmark_from_the_failed_line() -> None:
+    head = "# Benchmark report\n\nintro\n\n**Failed**: fp8.py, memory.py (see their sections)."
+    old = head + "\n\n## fp8\n\n**Failed** (600 s): timed out\n\n## memory\n\nold\n"
+    load = "load average (1, 5, 15 min) at the"
+    header = {"date (UTC)": "2026-11-27 16:10", "torch": "2.13.0", f"{load} start": "1", f"{load} end": "2"}
+    text = REPORT.updated(old, {"fp8.py": "## fp8\n\nnew fp8 tables\n"}, "cmd", 60.0, header)
+    assert "**Failed**: memory.py (see their sections)." in text
+    assert "new fp8 tables" in text and "timed out" not in text
+    again = REPORT.updated(old, {"fp8.py": "## fp8\n\n**Failed**\n"}, "cmd", 60.0, header, failed=["fp8.py"])
+    assert "**Failed**: memory.py, fp8.py (see their sections)." in again
+    cleared = REPORT.updated(text, {"memory.py": "## memory\n\nnew\n"}, "cmd", 60.0, header)
+    assert "**Failed**" not in cleared
+    assert cleared.count("**Updated**: ") == 2  # fp8's, then memory's
+    redone = REPORT.updated(cleared, {"fp8.py": "## fp8\n\nagain\n"}, "cmd", 60.0, header)
+    assert redone.count("**Updated**: fp8 rerun") == 1 and "**Updated**: memory rerun" in redone
