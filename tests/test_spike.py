@@ -225,3 +225,32 @@ def test_the_spike_check_adds_no_host_read(device: str, fused: bool) -> None:
             _step(driver, model, opt, batches[5])
         counts.append(mode.count)
     assert counts[0] == counts[1]  # whatever the step reads (AdamW reads its own step count), no more
+
+
+def _ranks_worker(rank: int, store: str, out: str) -> None:
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from tests._ranks import leave_group
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    model, opt = _model("cpu", fused=False)
+    spike = SpikeGuard(warmup=5)
+    driver = StepDriver(LossScaler("cpu", init_scale=1.0, dynamic=False, spike_guard=spike))
+    skipped = []
+    for i, batch in enumerate(_batches("cpu", 12, seed=10 + rank)):
+        _step(driver, model, opt, batch, times=1e3 if (i == 8 and rank == 0) else 1.0)
+        skipped.append(driver.last_step_skipped)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"skipped": skipped, "spikes": spike.spikes()}))
+    leave_group()
+
+
+def test_a_spike_on_one_rank_is_skipped_on_every_rank(tmp_path: Any) -> None:
+    from tests._ranks import run_ranks
+
+    reports = run_ranks(_ranks_worker, tmp_path, world=2)
+    expected = [i == 8 for i in range(12)]
+    assert [r["skipped"] for r in reports] == [expected, expected]
+    assert [r["spikes"] for r in reports] == [1, 1]  # the flag is agreed (MAX) before the skip
