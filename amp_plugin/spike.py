@@ -67,7 +67,8 @@ class SpikeGuard:
             fail(
                 call,
                 passed=f"warmup={warmup}, window={window}",
-                allowed="warmup <= window (the warm-up fills the window)",
+                why="the warm-up fills the window, so it cannot be longer than the window",
+                allowed="warmup <= window",
                 hint=f"pass warmup={self.window} or a larger window.",
             )
         self.min_ratio = check_number(call, "min_ratio", min_ratio, low=1.0, hint="2.0 is the default.")
@@ -174,7 +175,8 @@ def check_spike_guard(call: str, spike_guard: object, guard: bool = True) -> Spi
         fail(
             call,
             passed="guard=False, spike_guard=SpikeGuard",
-            allowed="a spike guard only where the steps are guarded (it skips through the guard's flag)",
+            why="the spike guard skips through the guard's flag, and guard=False turns that off",
+            allowed="a spike guard only where the steps are guarded",
             hint="drop guard=False, or drop spike_guard=.",
         )
     return spike_guard

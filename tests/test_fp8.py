@@ -239,6 +239,7 @@ def _train(
 
 
 @needs_torchao
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_trains_within_tolerance_of_bf16(recipe: str) -> None:
     """After 40 AdamW steps on TinyLM (dim 64, 7 of 9 Linear layers in fp8) the mean loss of the last

@@ -21,6 +21,9 @@ import pytest
 
 from tests.integration.test_benchmarks import BENCHMARKS, REPORT, _load_tables
 
+# Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
+pytestmark = pytest.mark.slow
+
 TABLES: ModuleType = _load_tables()
 CANNED_GPU = {
     "GPU": "Canned GPU (capability 9.0)",

@@ -17,6 +17,9 @@ from types import ModuleType
 
 import pytest
 
+# Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
+pytestmark = pytest.mark.slow
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

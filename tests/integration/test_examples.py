@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # What a newcomer should not have to wade through: Lightning's hardware banner and advert, library
 # import chatter (torchao's skipped extensions, torch's notices), deprecation warnings.

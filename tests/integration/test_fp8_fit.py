@@ -27,9 +27,13 @@ from amp_plugin import AMPPrecision, LossScaleMonitor, _imports
 from amp_plugin.fp8 import Float8, float8_layer_names
 from tests._fp8_models import TinyLM, batches, lm_loss
 
-pytestmark = pytest.mark.skipif(
-    _imports.torchao_error() is not None, reason=f"needs torchao 0.18 ({_imports.torchao_error()})"
-)
+# Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
+pytestmark = [
+    pytest.mark.skipif(
+        _imports.torchao_error() is not None, reason=f"needs torchao 0.18 ({_imports.torchao_error()})"
+    ),
+    pytest.mark.slow,
+]
 SMALL = Float8(min_features=64)
 BAD = 3  # the batch whose gradients go NaN
 

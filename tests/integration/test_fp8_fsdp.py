@@ -29,9 +29,13 @@ from amp_plugin.fp8 import Float8, convert, float8_layer_names, plain_tensor
 from tests._fp8_models import TinyLM, batches, lm_loss
 from tests._ranks import leave_group, run_ranks
 
-pytestmark = pytest.mark.skipif(
-    _imports.torchao_error() is not None, reason=f"needs torchao 0.18 ({_imports.torchao_error()})"
-)
+# Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
+pytestmark = [
+    pytest.mark.skipif(
+        _imports.torchao_error() is not None, reason=f"needs torchao 0.18 ({_imports.torchao_error()})"
+    ),
+    pytest.mark.slow,
+]
 WORLD, STEPS, POISON = 2, 4, 2
 CASES = {"tensorwise": Float8(min_features=64), "fp8 all-gather": Float8(min_features=64, all_gather=True)}
 

@@ -21,6 +21,9 @@ from torch.utils.data import DataLoader
 from amp_plugin import AMPPrecision, LossScaler
 from amp_plugin.spike import SpikeGuard
 
+# Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
 SPIKE_AT = 40
 

@@ -29,6 +29,9 @@ from torch import nn
 from amp_plugin import AMPFSDPPrecision, LossScaler
 from tests._ranks import leave_group, run_ranks
 
+# Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
+pytestmark = pytest.mark.slow
+
 WORLD, POISON_STEP, CLIP = 2, 1, 0.1
 
 
