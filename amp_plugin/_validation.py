@@ -218,23 +218,13 @@ def check_device_type(call: str, name: str, value: object) -> str:
     try:
         device_type = torch.device(value).type
     except RuntimeError:  # torch's message lists every device type it knows, autocast or not
-        why = "torch knows no such device type"
-        fail(
-            call,
-            passed=got,
-            why=why,
-            allowed=f"a device type with autocast: {types}",
-            hint=_device_hint(value),
-        )
-    if not torch.amp.is_autocast_available(device_type):
-        why = f"autocast is not available for device type {device_type!r}"
-        fail(
-            call,
-            passed=got,
-            why=why,
-            allowed=f"a device type with autocast: {types}",
-            hint=_device_hint(value),
-        )
+        device_type, why = "", "torch knows no such device type"
+    else:
+        available = torch.amp.is_autocast_available(device_type)
+        why = "" if available else f"autocast is not available for device type {device_type!r}"
+    if why:
+        allowed = f"a device type with autocast: {types}"
+        fail(call, passed=got, why=why, allowed=allowed, hint=_device_hint(value))
     return device_type
 
 
