@@ -195,12 +195,14 @@ def propagate_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 class AutocastDataParallel(nn.DataParallel):  # type: ignore[type-arg]
     """``nn.DataParallel`` whose replica threads run under the caller's full autocast state.
 
-    Same arguments as ``nn.DataParallel``. Without GPUs it calls the module directly.
+    Same arguments as ``nn.DataParallel``. Without GPUs it calls the module directly; with them,
+    like ``nn.DataParallel``, it needs the module on the first of its ``device_ids``.
 
     Example:
-        >>> model = AutocastDataParallel(torch.nn.Linear(2, 2))
-        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-        ...     model(torch.ones(1, 2)).dtype
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> model = AutocastDataParallel(torch.nn.Linear(2, 2).to(device))
+        >>> with torch.autocast(device, dtype=torch.bfloat16):
+        ...     model(torch.ones(1, 2, device=device)).dtype
         torch.bfloat16
     """
 

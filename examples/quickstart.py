@@ -354,7 +354,7 @@ def summarize(
     wall_seconds: float,
 ) -> dict[str, Any]:
     """The numbers the summary prints, as a dict (also what ``main`` returns)."""
-    device = model.device
+    device = trainer.strategy.root_device  # not model.device: Lightning moves the model to the CPU after fit
     if plugin is None:
         precision, why = "32-true", "requested; no plugin"
     else:

@@ -7,6 +7,7 @@ where CUDA is available. Tests that take it build their tensors, models and orac
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +59,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_apex)
 
 
+def fork_unsafe() -> bool:
+    """Whether this process may not fork ranks: CUDA is initialised here (Lightning then refuses to fork).
+
+    An xdist worker on a GPU machine initialises CUDA in its first CUDA test, and the ``ddp_fork``
+    tests it runs after that would fail by their order alone.
+    """
+    return torch.cuda.is_initialized()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """A ``forks`` test in a process that cannot fork runs whole in a fresh interpreter instead."""
+    if pyfuncitem.get_closest_marker("forks") is None or not fork_unsafe():
+        return None
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", pyfuncitem.nodeid, "-q", "-p", "no:xdist", "-p", "no:cacheprovider"],
+        cwd=pyfuncitem.config.rootpath,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if run.returncode != 0 or " passed" not in run.stdout:
+        pytest.fail(
+            f"{pyfuncitem.nodeid}, rerun in a fresh interpreter (CUDA is initialised in this one), "
+            f"exited {run.returncode}:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}",
+            pytrace=False,
+        )
+    return True
+
+
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
@@ -75,9 +106,10 @@ def _isolated() -> Iterator[None]:
     """Start every test from the same process-wide state and put that state back afterwards.
 
     Saved and restored: torch's intra-op thread count, default dtype, grad mode, CPU (and, once
-    initialised, CUDA) RNG state, and ``os.environ``. A test then starts from ``manual_seed(0)``.
+    initialised, CUDA) RNG state, and ``os.environ``; a default process group the test left
+    behind is destroyed. A test then starts from ``manual_seed(0)``.
 
-    A test that leaves the thread count, the default dtype or grad mode changed fails at
+    A test that leaves the thread count, the default dtype, grad mode or a process group changed fails at
     teardown (after the restore, so the tests after it still start clean): such a test makes
     later tests pass or fail by the order and the thread count they run with, which is how
     ``torch.set_num_threads(1)`` in one test once broke an accuracy bound in another. The RNG
@@ -86,6 +118,7 @@ def _isolated() -> Iterator[None]:
     where a later spawn would reuse that port, sometimes before the last process group released it.
     """
     threads, dtype, grad = torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled()
+    group = torch.distributed.is_available() and torch.distributed.is_initialized()
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     environ = dict(os.environ)
@@ -98,9 +131,12 @@ def _isolated() -> Iterator[None]:
             ("torch.get_num_threads()", threads, torch.get_num_threads()),
             ("torch.get_default_dtype()", dtype, torch.get_default_dtype()),
             ("torch.is_grad_enabled()", grad, torch.is_grad_enabled()),
+            ("torch.distributed.is_initialized()", group, _group_initialised()),
         )
         if before != after
     ]
+    if not group and _group_initialised():
+        torch.distributed.destroy_process_group()  # in-process strategies (FSDP on one GPU) leave one
     torch.set_num_threads(threads)
     torch.set_default_dtype(dtype)
     torch.set_grad_enabled(grad)
@@ -115,6 +151,10 @@ def _isolated() -> Iterator[None]:
             "the test (try/finally, a context manager or monkeypatch), or run the code in a subprocess.",
             pytrace=False,
         )
+
+
+def _group_initialised() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _forget_said_once() -> None:

@@ -180,8 +180,7 @@ def test_a_mistyped_option_is_reported_by_its_subcommand(
     assert f"amp-plugin doctor: error: unrecognized arguments: {wrong} (doctor does not know {wrong!r}" in err
     assert (
         "its options: -h/--help, --version, --model MODULE:FACTORY, --json, --no-measure, --ops, "
-        "--fp8 RECIPE)"
-        in err
+        "--fp8 RECIPE)" in err
     )
     assert hint in err and ("HINT" in err) == bool(hint)
 
@@ -197,7 +196,7 @@ def test_an_option_before_the_subcommand_is_the_top_levels(capsys: pytest.Captur
         (
             "doctor",
             r"argv='doctor'\) is not allowed here: "
-                r".*Allowed: None or a list of strings\. HINT: main\(\['doctor'\]\)",
+            r".*Allowed: None or a list of strings\. HINT: main\(\['doctor'\]\)",
         ),
         (["doctor", 1], r"argv=\['doctor', 1\]\) is not allowed here: .*Allowed: None or a list of strings"),
         (("doctor", b"--json"), r"argv=\('doctor', b'--json'\)\) is not allowed"),
@@ -224,6 +223,10 @@ def test_load_model_accepts_a_class_and_dotted_attributes() -> None:
 
 
 def test_console_script_points_at_main() -> None:
+    try:
+        importlib.metadata.distribution("amp-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("amp-plugin is not installed (it runs from a source tree): no console scripts to check")
     (entry,) = importlib.metadata.entry_points(group="console_scripts", name="amp-plugin")
     assert entry.value == "amp_plugin.cli:main"
     assert entry.load() is main

@@ -18,6 +18,8 @@ from amp_plugin import AMPPrecision, LossScaler
 
 RANK1_POISON = (2, 5)  # steps at which only rank 1 sees an inf, after DDP's all-reduce
 
+pytestmark = pytest.mark.forks  # every test here starts its ranks with ddp_fork
+
 
 class _RankModule(LightningModule):
     def __init__(self, out_dir: str, poison: tuple[int, ...] = RANK1_POISON) -> None:

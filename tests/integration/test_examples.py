@@ -93,6 +93,28 @@ def test_quickstart_auto_picks_by_the_gpus_compute_capability(tmp_path: Path) ->
     assert float(_summary_value(out, "val accuracy").split("%")[0]) > 25
 
 
+def test_quickstart_names_the_device_it_trained_on_not_where_the_model_ends_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Lightning moves the model back to the CPU after fit: on a GPU the summary said "cpu".
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("quickstart_for_summary", EXAMPLES / "quickstart.py")
+    assert spec is not None and spec.loader is not None
+    quickstart = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, quickstart)  # its dataclass looks itself up there
+    spec.loader.exec_module(quickstart)
+    model = quickstart.MajorityTransformer()  # on the CPU, as after a fit on any device
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("meta")), global_step=3,
+        callback_metrics={"val_acc": torch.tensor(0.5)}, log_dir="runs",
+    )  # fmt: skip
+    throughput = SimpleNamespace(samples_per_second=1.0)
+    summary = quickstart.summarize(trainer, None, model, throughput, None, 1.0)
+    assert summary["device"].startswith("meta ("), summary["device"]
+
+
 def test_quickstart_pins_its_threads_and_compares_with_fp32(tmp_path: Path) -> None:
     # Without OMP_NUM_THREADS torch would take one thread per core; the quickstart pins its own.
     out = _run("quickstart.py", "--accelerator", "cpu", cwd=tmp_path, omp_threads=None)

@@ -301,6 +301,7 @@ def test_needs_amp_precision() -> None:
         _fit(Probe(), LossScaleMonitor(), MixedPrecision("16-mixed", "cpu"), steps=1)
 
 
+@pytest.mark.forks
 def test_ddp_rank_zero_writes_and_ranks_agree(tmp_path: Path) -> None:
     # Only rank 1 poisons its (already all-reduced) gradients: the scaler's found_inf sync makes both skip.
     module = Probe(poison=(4, 9), rank_poison=1, out_dir=str(tmp_path))

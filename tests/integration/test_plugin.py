@@ -467,10 +467,16 @@ def test_lbfgs_without_a_loss_scaler_steps_with_its_closure_as_lightning_does(pr
 
 
 def test_plain_data_parallel_under_bf16_warns() -> None:
+    # nn.DataParallel runs on the GPUs where there are any (its module must be on the first one).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     module = TinyModule(poison=())
     module.net = nn.DataParallel(module.net)  # type: ignore[assignment]
+    trainer = Trainer(
+        accelerator=device, devices=1, max_steps=1, plugins=[AMPPrecision("bf16-mixed")], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
     with pytest.warns(UserWarning, match="AutocastDataParallel"):
-        _fit(module, AMPPrecision("bf16-mixed"), steps=1)
+        trainer.fit(module, _loader())
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -268,6 +268,7 @@ def _ddp_worker(fabric: Fabric, out_dir: str) -> None:
 _KEPT: list[Any] = []
 
 
+@pytest.mark.forks
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs",
