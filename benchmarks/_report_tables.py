@@ -85,8 +85,8 @@ def _step_overhead(p: dict[str, Any]) -> Summary:
     note = (
         "passes: reads and writes of the whole gradient set the path makes (its design, not "
         "measured); ms: median of the timed repeats, all paths interleaved; vs baseline: this "
-        "path's ms / its baseline's ms ((a) for the unscale + clip rows, GradScaler's full step for "
-        "the others): the ratio of the medians in this table."
+        "path's ms / its baseline's ms (the copy floor for the unscale + clip rows, GradScaler's "
+        "full step for the others): the ratio of the medians in this table."
     )
     target_note = "value: the ratio of medians the target names; status: met when value <= limit."
     return Summary(
