@@ -202,6 +202,7 @@ class MasterWeights:
             self._rest = {id(master): r for (_, master), r in zip(self._pairs, remainders, strict=True)}
         self._attached: dict[int, tuple[Optimizer, list[RemovableHandle], Any]] = {}
         self._module_hooks: list[RemovableHandle] = []
+        self._nans: dict[torch.device, Tensor] = {}  # the packed masters' shared stand-in per device
 
     def __getstate__(self) -> dict[str, Any]:
         # A deep copy or pickle of the model copies its masters through the state_dict hooks; the
@@ -403,7 +404,7 @@ class MasterWeights:
                 rest = torch.empty_like(half.data, dtype=torch.int16)
                 _split_into(half.data, rest, master.data)
                 self._rest[id(master)] = rest
-                master.data = _stand_in(half)
+                master.data = _stand_in(half, self._nans)
 
     @torch.no_grad()
     def _follow_devices(self) -> None:
@@ -418,7 +419,7 @@ class MasterWeights:
             rest = self._rest.get(id(master))
             if rest is not None:
                 self._rest[id(master)] = rest.to(half.device)
-                master.data = _stand_in(half)
+                master.data = _stand_in(half, self._nans)
             else:
                 master.data = master.data.to(half.device)
 
@@ -564,22 +565,32 @@ def _split_into(high: Tensor, rest: Tensor, value: Tensor) -> None:
 
     ``high`` takes the top 16 bits, plus one when the low 16 bits are ``>= 0x8000`` (the value
     rounded to the nearest bf16, ties away from zero: adding one to the bits of a sign-magnitude
-    number moves it away from zero); ``rest`` takes the low 16 bits minus ``0x10000`` in that case,
-    so that it fits in int16. ``value`` is overwritten (it is the master being released).
+    number moves it away from zero); ``rest`` takes the low 16 bits as a signed number, which is
+    the low half minus ``0x10000`` exactly in that case. ``value`` is overwritten (it is the master
+    being released). Four integer passes in place, each over one dtype pair: the int32 -> int16
+    copies keep the low 16 bits (two's complement narrowing), and no temporary is allocated.
     """
     bits = value.view(torch.int32)
-    top = bits + (1 << 15)  # the carry into the high half when the low half is >= 0x8000
-    top.bitwise_right_shift_(16)  # arithmetic shift: the bf16 bits, as a signed number
-    high.view(torch.int16).copy_(top)
-    bits.sub_(top, alpha=1 << 16)  # what is left: in [-0x8000, 0x7FFF]
-    rest.copy_(bits)
+    rest.copy_(bits)  # the signed low half
+    bits.add_(1 << 15)  # the carry into the high half when the low half is >= 0x8000
+    bits.bitwise_right_shift_(16)  # arithmetic shift: the bf16 bits, as a signed number
+    high.view(torch.int16).copy_(bits)
     # Only a NaN whose top 16 bits are all ones (0x7FFF/0xFFFF) and low half >= 0x8000 wraps; the
     # join still restores its bits, but the bf16 weight shows a zero instead of NaN.
 
 
-def _stand_in(half: Tensor) -> Tensor:
-    """What a packed master holds: one fp32 NaN broadcast to its shape (reads show NaN, writes raise)."""
-    return torch.full((), float("nan"), dtype=torch.float32, device=half.device).expand(half.shape)
+def _stand_in(half: Tensor, nans: dict[torch.device, Tensor] | None = None) -> Tensor:
+    """What a packed master holds: one fp32 NaN broadcast to its shape (reads show NaN, writes raise).
+
+    ``nans`` caches one 0-dim NaN per device for the stand-ins of one :class:`MasterWeights`, so
+    packing its masters launches no fill per tensor per step.
+    """
+    nan = None if nans is None else nans.get(half.device)
+    if nan is None:
+        nan = torch.full((), float("nan"), dtype=torch.float32, device=half.device)
+        if nans is not None:
+            nans[half.device] = nan
+    return nan.expand(half.shape)
 
 
 def _describe(value: object) -> str:

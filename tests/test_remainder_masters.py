@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ from amp_plugin import LossScaler
 from amp_plugin.master_weights import MasterWeights, cast_model
 
 BF16_MANTISSA = 7  # stored mantissa bits
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
 
 
 def round_half_away(m: Tensor) -> Tensor:
@@ -231,6 +235,34 @@ def test_200_adamw_steps_with_injected_infs_match_the_fp32_master_reference_bit_
     skipped, ties = _run_against_reference(_model, _mlp_loss, make_opt, 200, poisoned={5, 6, 77, 150})
     assert skipped == 4
     assert ties < 20  # about one element in 2**17 per step (every 5th step looked at), off RNE
+
+
+def test_the_quickstart_transformer_matches_the_reference_over_200_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """examples/quickstart.py's MajorityTransformer (embeddings, pre-norm encoder, head), bf16 autocast."""
+    spec = importlib.util.spec_from_file_location("quickstart_for_remainder", QUICKSTART)
+    assert spec is not None and spec.loader is not None
+    quickstart = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, quickstart)  # its dataclasses look the module up there
+    spec.loader.exec_module(quickstart)
+    data = quickstart.make_dataset(200 * 4, seed=0).tensors
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(0)
+        # The quickstart's model at half its width: 200 steps twice under CPU bf16 autocast stay short.
+        config = quickstart.Config(d_model=32, heads=2)
+        return quickstart.MajorityTransformer(config)  # type: ignore[no-any-return]
+
+    def loss(model: nn.Module, step: int) -> Tensor:
+        tokens, labels = (t[step * 4 : (step + 1) * 4] for t in data)
+        return nn.functional.cross_entropy(model(tokens).float(), labels)
+
+    def make_opt(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01)  # the quickstart's optimizer
+
+    skipped, _ = _run_against_reference(make_model, loss, make_opt, 200, poisoned={0, 9, 130}, autocast=True)
+    assert skipped == 3
 
 
 def test_a_tiny_hugging_face_llama_matches_the_reference_over_200_steps() -> None:
