@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from amp_plugin import LossScaler
+from amp_plugin import LossScaler, master_weights
 from amp_plugin.master_weights import MasterWeights, cast_model
 
 BF16_MANTISSA = 7  # stored mantissa bits
@@ -285,6 +285,19 @@ def test_a_tiny_hugging_face_llama_matches_the_reference_over_200_steps() -> Non
 
     skipped, _ = _run_against_reference(make_model, loss, make_opt, 200, poisoned={3, 120}, autocast=True)
     assert skipped == 2
+
+
+def test_masters_rebuilt_and_split_in_several_chunks_match_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Large models rebuild their masters a chunk of tensors at a time; chunks of 1 KiB here."""
+    monkeypatch.setattr(master_weights, "_CHUNK_BYTES", 1024)  # the MLP's 32x32 weight fills one alone
+
+    def make_opt(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=3e-3, foreach=True)
+
+    skipped, _ = _run_against_reference(_model, _mlp_loss, make_opt, 30, poisoned={4})
+    assert skipped == 1
 
 
 def test_a_skipped_fused_step_leaves_weights_masters_and_state_bit_identical() -> None:
