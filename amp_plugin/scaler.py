@@ -171,8 +171,9 @@ class LossScaler:
             ``"auto"`` (when torch.distributed runs with several processes), True or False.
         process_group: the ranks that must agree (``None``: the default group).
         spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
-            jumps far above its recent history. Such a skip is counted in ``skipped_steps`` but
-            is no overflow: the scale does not back off. ``None`` (the default): no spike check.
+            (or gradient norm, with ``on=``) jumps far above its history. Such a skip is counted in
+            ``skipped_steps`` but is no overflow: the scale does not back off. Its history is part of
+            :meth:`state_dict`. ``None`` (the default): no spike check.
 
     Example:
         >>> import torch

@@ -501,3 +501,30 @@ def test_the_state_dict_holds_the_history_and_refuses_another_window() -> None:
     plain = LossScaler("cpu", init_scale=1.0, dynamic=False)
     plain.load_state_dict(scaler.state_dict())  # no spike guard here: its history is not wanted
     assert "spike_guard" not in plain.state_dict()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fabric_checkpoints_the_history(precision: str) -> None:
+    from lightning.fabric import Fabric
+
+    from amp_plugin.fabric import AMPPrecision
+
+    def fabric_run(steps: int, state: dict[str, Any] | None) -> tuple[AMPPrecision, SpikeGuard]:
+        spike = SpikeGuard(warmup=2, on=("loss", "grad_norm"))
+        plugin = AMPPrecision(precision, device="cpu", spike_guard=spike)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model, opt = _model("cpu", fused=False)
+        model, opt = fabric.setup(model, opt)
+        if state is not None:
+            plugin.load_state_dict(state)
+        for x, y in _batches("cpu", steps):
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        return plugin, spike
+
+    plugin, spike = fabric_run(5, None)
+    state = copy.deepcopy(plugin.state_dict())
+    _, resumed = fabric_run(0, state)
+    assert resumed.recorded("loss") == resumed.recorded("grad_norm") == spike.recorded() == 5
+    assert resumed.state_dict() == spike.state_dict()
