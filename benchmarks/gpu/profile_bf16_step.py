@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared helpers
-import torch  # noqa: E402
-from _common import environment, format_table, load_example, synchronize  # noqa: E402
-from lightning.pytorch import Callback, Trainer  # noqa: E402
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-from training_speed import _transformer, quiet_lightning  # noqa: E402
+import torch
+from _common import environment, format_table, load_example, synchronize
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader
+from training_speed import _transformer, quiet_lightning
 
-from amp_plugin import AMPPrecision  # noqa: E402
+from amp_plugin import AMPPrecision
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
 
@@ -109,10 +109,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.manual_seed(0)
         timer = StepTimer(dev, warm, timed, profiled if profile else 0, synced)
         Trainer(
-            accelerator=dev, devices=1, max_steps=total, plugins=[setups[name]()], callbacks=[timer],
-            logger=False, enable_progress_bar=False, enable_checkpointing=False,
-            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        ).fit(_transformer(quickstart, True)(config, total_steps=total), DataLoader(data, config.batch_size))  # fmt: skip
+            accelerator=dev,
+            devices=1,
+            max_steps=total,
+            plugins=[setups[name]()],
+            callbacks=[timer],
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        ).fit(_transformer(quickstart, True)(config, total_steps=total), DataLoader(data, config.batch_size))
         return timer
 
     names = list(setups)
@@ -141,17 +149,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         }
     for name in names[1:]:
         keys = set(calls[name]) | set(calls["mp"])
-        diff = {k: (calls[name][k] - calls["mp"][k]) / profiled for k in keys if calls[name][k] != calls["mp"][k]}
+        diff = {
+            k: (calls[name][k] - calls["mp"][k]) / profiled for k in keys if calls[name][k] != calls["mp"][k]
+        }
         results[name]["calls_vs_mp_per_step"] = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
     print(__doc__.split("\n\n")[0])
-    print(format_table(
-        ["set-up", "free ms", "synced ms", "vs mp (free)", "kernels/step", "GPU busy ms/step"],
-        [[n, f"{r['free_ms']:.2f}", f"{r['synced_ms']:.2f}", f"{results['mp']['free_ms'] / r['free_ms']:.3f}x",
-          f"{r['kernels_per_step']:.0f}", f"{r['gpu_busy_ms_per_step']:.2f}"] for n, r in results.items()],
-    ))  # fmt: skip
+    print(
+        format_table(
+            ["set-up", "free ms", "synced ms", "vs mp (free)", "kernels/step", "GPU busy ms/step"],
+            [
+                [
+                    n,
+                    f"{r['free_ms']:.2f}",
+                    f"{r['synced_ms']:.2f}",
+                    f"{results['mp']['free_ms'] / r['free_ms']:.3f}x",
+                    f"{r['kernels_per_step']:.0f}",
+                    f"{r['gpu_busy_ms_per_step']:.2f}",
+                ]
+                for n, r in results.items()
+            ],
+        )
+    )
     for name in names[1:]:
         print(f"{name}: aten/CUDA calls per step against mp: {results[name]['calls_vs_mp_per_step']}")
-    out = {"benchmark": "profile_bf16_step", "environment": environment(dev), "rounds": rounds, "results": results}
+    out = {
+        "benchmark": "profile_bf16_step",
+        "environment": environment(dev),
+        "rounds": rounds,
+        "results": results,
+    }
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
     return out
