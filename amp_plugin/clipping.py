@@ -22,7 +22,14 @@ from torch import Tensor
 from amp_plugin.kernels import Kernels
 from amp_plugin.kernels.base import group_by_device_and_dtype, to_device
 
-__all__ = ["ClipResult", "clip_coefficient", "clip_grad_norm_", "gradients", "nonfinite"]
+__all__ = [
+    "ClipResult",
+    "clip_coefficient",
+    "clip_grad_norm_",
+    "gradients",
+    "nonfinite",
+    "nonfinite_and_norm",
+]
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds the same to the norm
 
@@ -94,7 +101,25 @@ def nonfinite(grads: Sequence[Tensor], one: Tensor) -> Tensor:
         >>> nonfinite([torch.tensor([1.0, float("inf")]), torch.ones(2)], torch.ones(()))
         tensor(1.)
     """
+    return nonfinite_and_norm(grads, one, total=False)[0]
+
+
+def nonfinite_and_norm(
+    grads: Sequence[Tensor], one: Tensor, total: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`nonfinite`, and the total 2-norm of ``grads`` from the same per-tensor norms (no more reads).
+
+    The total costs two launches over the per-tensor norms (a stack and a norm), none over the
+    gradients. ``total=False`` skips it (``None``). The norm is of the gradients as they are in
+    memory (still scaled, where they are) and next to ``one``.
+
+    Example:
+        >>> found_inf, norm = nonfinite_and_norm([torch.tensor([3.0]), torch.tensor([4.0])], torch.ones(()))
+        >>> found_inf.item(), norm.item()
+        (0.0, 5.0)
+    """
     found_inf = torch.zeros((), dtype=torch.float32, device=one.device)
+    total_norm: Tensor | None = None
     with torch.no_grad():
         norms = [
             norm if norm.device == one.device else to_device(norm, one.device)
@@ -103,7 +128,10 @@ def nonfinite(grads: Sequence[Tensor], one: Tensor) -> Tensor:
         ]
         if norms:
             torch._amp_foreach_non_finite_check_and_unscale_(norms, found_inf, one)
-    return found_inf
+        if total:
+            stacked = torch.stack(norms) if norms else torch.zeros(1, device=one.device)
+            total_norm = torch.linalg.vector_norm(stacked)
+    return found_inf, total_norm
 
 
 def _flag(norm: Tensor) -> Tensor:

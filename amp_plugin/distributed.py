@@ -25,6 +25,7 @@ from amp_plugin._validation import check_choice, fail
 __all__ = [
     "SyncMode",
     "all_reduce_found_inf",
+    "all_reduce_max_",
     "check_process_group",
     "check_sync_mode",
     "checked_sync_enabled",
@@ -144,6 +145,30 @@ def all_reduce_found_inf(found_inf: Tensor, group: Any = None) -> Tensor:
         return found_inf
     _all_reduce_(found_inf, dist.ReduceOp.MAX, group)
     return found_inf
+
+
+def all_reduce_max_(values: Tensor, group: Any = None) -> Tensor:
+    """All-reduce a 1-D floating-point tensor with MAX across ``group``, in place, without a host sync.
+
+    What :class:`~amp_plugin.spike.SpikeGuard` agrees its values with (one per signal), so that
+    every rank keeps the same history. One collective; with one process, nothing to do.
+
+    Example:
+        >>> all_reduce_max_(torch.tensor([1.0, 2.0]))
+        tensor([1., 2.])
+    """
+    if not isinstance(values, Tensor) or values.dim() != 1 or not values.is_floating_point():
+        fail(
+            "all_reduce_max_",
+            passed=f"values={type(values).__name__} {getattr(values, 'shape', '')}",
+            allowed="a 1-D floating-point tensor",
+            hint="pass the tensor of values to agree on.",
+            error=TypeError,
+        )
+    _check_group(group, "all_reduce_max_")
+    if _world_size(group) > 1:
+        _all_reduce_(values, dist.ReduceOp.MAX, group)
+    return values
 
 
 def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -> Tensor:

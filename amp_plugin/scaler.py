@@ -15,6 +15,7 @@ Which changes to the gradients are checked for inf/NaN, and when, is in ``docs/s
 from __future__ import annotations
 
 import enum
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,8 +171,9 @@ class LossScaler:
             ``"auto"`` (when torch.distributed runs with several processes), True or False.
         process_group: the ranks that must agree (``None``: the default group).
         spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
-            jumps far above its recent history. Such a skip is counted in ``skipped_steps`` but
-            is no overflow: the scale does not back off. ``None`` (the default): no spike check.
+            (or gradient norm, with ``on=``) jumps far above its history. Such a skip is counted in
+            ``skipped_steps`` but is no overflow: the scale does not back off. Its history is part of
+            :meth:`state_dict`. ``None`` (the default): no spike check.
 
     Example:
         >>> import torch
@@ -341,7 +343,7 @@ class LossScaler:
             )
         scale = self._require_scale("unscale_")
         if self._guard_only:  # a scale of 1: the gradients are read, never written
-            state.found_inf = self._nonfinite(gradients_to_unscale(opt))
+            state.found_inf = self._nonfinite(gradients_to_unscale(opt), self._carried_factor(opt))
         else:
             inv_scale = scale.double().reciprocal().float()
             state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
@@ -378,7 +380,7 @@ class LossScaler:
             self.unscale_(opt)
         found_inf = cast(Tensor, state.found_inf)
         self._sync(state)
-        skip = self._with_spike(state, found_inf)
+        skip = self._with_spike(opt, state, found_inf)
         state.skipped = bool(skip.item())  # the one host read of this step, kept for every reader
         result = None if state.skipped else optimizer.step(*args, **kwargs)
         state.stage = Stage.STEPPED
@@ -559,6 +561,8 @@ class LossScaler:
         )
         state.merge_inf(result.found_inf, agreed=sharded)  # a global norm is agreed already
         state.stage, state.grad_scale = Stage.UNSCALED, result.grad_scale
+        if self.spike_guard is not None:
+            self.spike_guard.observe_grad_norm(result.total_norm)  # the norm before clipping
         return result.total_norm
 
     def grad_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
@@ -628,7 +632,7 @@ class LossScaler:
             raise RuntimeError(
                 "recheck_() was called after step() on this optimizer. HINT: recheck before step()."
             )
-        state.merge_inf(self._nonfinite(gradients_to_unscale(opt)), agreed=False)
+        state.merge_inf(self._nonfinite(gradients_to_unscale(opt), state.grad_scale), agreed=False)
 
     # -- what happened this iteration ------------------------------------------------------
 
@@ -698,28 +702,46 @@ class LossScaler:
     # -- checkpoints and pickling ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state: torch's five keys plus this scaler's own. Empty when disabled."""
-        return self._policy.state_dict() if self._enabled else {}
+        """The scaler's state: torch's five keys plus this scaler's own. Empty when disabled.
+
+        With a spike guard, its history too, under ``"spike_guard"`` (:meth:`SpikeGuard.state_dict`).
+        """
+        if not self._enabled:
+            return {}
+        state = self._policy.state_dict()
+        if self.spike_guard is not None:
+            state["spike_guard"] = self.spike_guard.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
 
         The whole dict is validated before anything changes. Refused in the middle of an
         iteration (after ``scale()``, before ``update()``): the gradients in flight carry
-        the old scale.
+        the old scale. A spike guard's history loads into this scaler's spike guard; without
+        one it is not wanted and is left out; a state without one leaves the guard's history as it is.
         """
         if self._enabled:
             self._require_between_iterations(
                 "load_state_dict", "load the state before scale() or after update()."
             )
-            self._policy.load_state_dict(state_dict)
+            self.check_state_dict(state_dict)
+            spike = state_dict.get("spike_guard") if isinstance(state_dict, dict) else None
+            self._policy.load_state_dict(_without_spike(state_dict))
+            if spike is not None and self.spike_guard is not None:
+                self.spike_guard.load_state_dict(spike)
             self._guard_only = _guard_only(self._policy)
             self._last_skipped = None
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise ``ValueError`` if :meth:`load_state_dict` would refuse ``state_dict``; change nothing."""
         policy = self._policy
-        _scaler_rules.checked_state(state_dict, policy.hysteresis, policy.min_scale, policy.max_scale)
+        _scaler_rules.checked_state(
+            _without_spike(state_dict), policy.hysteresis, policy.min_scale, policy.max_scale
+        )
+        spike = state_dict.get("spike_guard") if isinstance(state_dict, dict) else None
+        if spike is not None and self.spike_guard is not None:
+            self.spike_guard.check_state_dict(spike)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled:
@@ -749,12 +771,21 @@ class LossScaler:
             self._kernels = ShardAwareKernels(kernels)  # DTensor gradients: local shards, global norms
         return self._kernels
 
-    def _nonfinite(self, grads: list[Tensor]) -> Tensor:
-        """This rank's inf flag of ``grads`` (one read, three launches), next to the scale."""
+    def _nonfinite(self, grads: list[Tensor], carried: Tensor | None) -> Tensor:
+        """This rank's inf flag of ``grads`` (one read, three launches), next to the scale.
+
+        Where the spike guard wants this iteration's gradient norm, the same per-tensor norms give
+        it (two launches more, no read of the gradients), divided by the factor ``carried``.
+        """
         scale = self._require_scale("the inf check")
         if self._one is None or self._one.device != scale.device:
             self._one = torch.ones((), dtype=torch.float32, device=scale.device)
-        return clipping.nonfinite(local_shards(grads), self._one)
+        spike = self.spike_guard
+        want = spike is not None and spike.wants_grad_norm
+        found_inf, norm = clipping.nonfinite_and_norm(local_shards(grads), self._one, total=want)
+        if spike is not None and norm is not None:
+            spike.observe_grad_norm(norm if carried is None else norm / carried.to(norm))
+        return found_inf
 
     def _require_scale(self, call: str) -> Tensor:
         if self._policy.scale is None:
@@ -788,31 +819,39 @@ class LossScaler:
                 state.stage = Stage.STEPPED
         if state.stage is Stage.READY:
             # The optimizer divides by the scale itself; it only needs the inf flag (one read-only pass).
-            state.found_inf = self._nonfinite(clipping.gradients(opt.param_groups))
             grad_scale: Tensor | None = self._carried_factor(opt)
+            state.found_inf = self._nonfinite(clipping.gradients(opt.param_groups), grad_scale)
         else:  # unscaled: a folded clip factor, or the user's own preset (kept, as torch keeps it)
             grad_scale = (
                 state.grad_scale if state.grad_scale is not None else getattr(opt, "grad_scale", None)
             )
         self._sync(state)
         state.stage = Stage.STEPPED
-        skip = self._with_spike(state, cast(Tensor, state.found_inf))
+        skip = self._with_spike(opt, state, cast(Tensor, state.found_inf))
         return step_with_amp_attributes(opt, optimizer, grad_scale, skip, *args, **kwargs)
 
-    def _with_spike(self, state: OptimizerState, found_inf: Tensor) -> Tensor:
+    def _with_spike(self, opt: Any, state: OptimizerState, found_inf: Tensor) -> Tensor:
         """The step's skip flag: ``found_inf``, OR-ed with the iteration's spike flag (on the device).
 
-        The spike flag is agreed across ranks as ``found_inf`` is (MAX), once per iteration: each
-        rank's loss is its own, and every rank must skip together.
+        The spike guard's values are agreed across ranks (MAX) where ``found_inf`` is, once per
+        iteration, so every rank keeps the same history and skips together. A gradient norm the
+        step did not compute (a loss-scaled, non-fused step without a norm clip) costs one read here.
         """
-        spike = None if self.spike_guard is None else self.spike_guard.flag()
+        spike = self.spike_guard
         if spike is None:
             return found_inf
-        if not self._spike_synced:
-            if distributed.checked_sync_enabled(self._sync_mode, self.process_group):
-                distributed.all_reduce_found_inf(spike, self.process_group)
-            self._spike_synced = True
-        state.skip = torch.maximum(found_inf, spike.to(found_inf.device))
+        if spike.wants_grad_norm:
+            grads = clipping.gradients(opt.param_groups)
+            norm = self._backend().norm(grads)
+            spike.observe_grad_norm(norm if state.grad_scale is None else norm / state.grad_scale.to(norm))
+        agree = None
+        if distributed.checked_sync_enabled(self._sync_mode, self.process_group):
+            agree = functools.partial(distributed.all_reduce_max_, group=self.process_group)
+        flag = spike.flag(agree)
+        if flag is None:
+            return found_inf
+        self._spike_synced = True
+        state.skip = torch.maximum(found_inf, flag.to(found_inf.device))
         return state.skip
 
     def _end_iteration(self) -> None:
@@ -857,6 +896,13 @@ class _ScaledLoss(torch.autograd.Function):
 def _fused(opt: Any) -> bool:
     """:func:`~amp_plugin.optim.handles_unscaling` for an optimizer that is unwrapped already."""
     return bool(getattr(opt, "_step_supports_amp_scaling", False))
+
+
+def _without_spike(state_dict: Any) -> Any:
+    """``state_dict`` without a spike guard's history (the scale policy's part), as it is otherwise."""
+    if isinstance(state_dict, dict) and "spike_guard" in state_dict:
+        return {k: v for k, v in state_dict.items() if k != "spike_guard"}
+    return state_dict
 
 
 def _guard_only(policy: DynamicScale) -> bool:

@@ -49,6 +49,8 @@ def test_page_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a temporary folder
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
+    if any(why is None and "torch.compile(" in code for _, code, why in _blocks(page)):
+        needs_dynamo_autocast_switches(page.name)
     for line, code, why in _blocks(page):
         if why is not None:
             continue
@@ -59,6 +61,19 @@ def test_page_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Mo
             exec(compile(code, f"{page.name}:{line}", "exec"), namespace)
         except Exception as err:
             raise AssertionError(f"{page.name}, the block at line {line} failed: {err!r}") from err
+
+
+def needs_dynamo_autocast_switches(name: str) -> None:
+    """A page that compiles is for the torch the project supports (2.13 on): older Dynamo cannot trace it."""
+    import torch
+
+    from tests._torch_features import TORCH
+
+    if TORCH < (2, 13):
+        pytest.skip(
+            f"{name} compiles code that switches autocast; torch {torch.__version__} < 2.13's Dynamo "
+            "cannot trace torch.set_autocast_enabled or torch._C._is_autocast_available"
+        )
 
 
 def _library_names() -> set[str]:

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from amp_plugin.autocast import AutocastDataParallel, autocast_state, propagate_autocast
 from amp_plugin.fp32_policy import Fp32Functions, check_functions, check_module_classes, force_fp32
 from tests._autocast_probes import Recorder, cpu_state, in_thread
+from tests._torch_features import needs_dynamo_autocast_switches
 
 # ---------------------------------------------------------------- fp32 modules
 
@@ -342,6 +343,7 @@ def test_fp32_module_inside_the_mode_keeps_the_mode() -> None:
     assert norm.calls[0]["dtype"] == torch.float32
 
 
+@needs_dynamo_autocast_switches
 def test_compiled_forward_under_the_mode() -> None:
     def step(x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(torch.mm(x, x))

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin import LossScaler
 from amp_plugin.spike import SpikeGuard
@@ -237,13 +238,19 @@ def _ranks_worker(rank: int, store: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     model, opt = _model("cpu", fused=False)
-    spike = SpikeGuard(warmup=5)
+    spike = SpikeGuard(warmup=5, on=("loss", "grad_norm"))
     driver = StepDriver(LossScaler("cpu", init_scale=1.0, dynamic=False, spike_guard=spike))
     skipped = []
-    for i, batch in enumerate(_batches("cpu", 12, seed=10 + rank)):
-        _step(driver, model, opt, batch, times=1e3 if (i == 8 and rank == 0) else 1.0)
+    for i, batch in enumerate(_batches("cpu", 13, seed=10 + rank)):
+        if i == 8 and rank == 0:  # a loss spike on rank 0
+            _step(driver, model, opt, batch, times=1e3)
+        else:  # a gradient-norm spike on rank 1 at 10
+            _grad_spiked_step(driver, model, opt, batch, grad_times=1e3 if (i == 10 and rank == 1) else 1.0)
         skipped.append(driver.last_step_skipped)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"skipped": skipped, "spikes": spike.spikes()}))
+    history = driver.scaler.state_dict()["spike_guard"]  # type: ignore[union-attr]
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"skipped": skipped, "spikes": spike.spikes(), "history": history})
+    )
     leave_group()
 
 
@@ -251,6 +258,273 @@ def test_a_spike_on_one_rank_is_skipped_on_every_rank(tmp_path: Any) -> None:
     from tests._ranks import run_ranks
 
     reports = run_ranks(_ranks_worker, tmp_path, world=2)
-    expected = [i == 8 for i in range(12)]
+    expected = [i in (8, 10) for i in range(13)]
     assert [r["skipped"] for r in reports] == [expected, expected]
-    assert [r["spikes"] for r in reports] == [1, 1]  # the flag is agreed (MAX) before the skip
+    assert [r["spikes"] for r in reports] == [2, 2]
+    # The values are agreed (MAX) before the check: every rank keeps the same history, so a
+    # checkpoint written by rank 0 resumes every rank.
+    assert reports[0]["history"] == reports[1]["history"]
+    assert reports[0]["history"]["recorded"] == [11, 11]
+
+
+# -- the gradient-norm criterion ------------------------------------------------------------------
+
+
+def _grad_spiked_step(
+    driver: StepDriver,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Any,
+    grad_times: float = 1.0,
+    clip: float | None = None,
+) -> None:
+    """A step whose loss value is the batch's own but whose gradients are ``grad_times`` larger."""
+    x, y = batch
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if grad_times != 1.0:
+        # Adds exactly 0 to the loss value, and (grad_times - 1) x the loss's gradient to every gradient.
+        loss = loss + (grad_times - 1.0) * (loss - loss.detach())
+    scaler = driver.scaler
+    assert scaler is not None
+
+    def hooks() -> bool:
+        if clip is None:
+            return False
+        driver.clip_grad_norm_(opt, clip)
+        return True
+
+    scaler.scale(loss).backward()
+    driver.step(opt, hooks)
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "norm-clip"])
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("kind", list(SCALERS))
+def test_a_gradient_norm_spike_is_skipped_state_bit_identical(
+    device: str, fused: bool, kind: str, clip: float | None
+) -> None:
+    model, opt = _model(device, fused)
+    spike = SpikeGuard(warmup=10, window=50, on=("loss", "grad_norm"))
+    scaler = SCALERS[kind](device, spike)
+    driver = StepDriver(scaler)
+    batches = _batches(device, 26)
+    for batch in batches[:20]:
+        _grad_spiked_step(driver, model, opt, batch, clip=clip)
+    assert scaler.skipped_steps == 0 and spike.spikes() == 0
+    before, scale_before = _snapshot(model, opt), scaler.get_scale()
+
+    _grad_spiked_step(driver, model, opt, batches[20], grad_times=1e3, clip=clip)  # same loss, 1e3x grads
+
+    assert driver.last_step_skipped and scaler.skipped_steps == 1 and spike.spikes() == 1
+    _assert_same(_snapshot(model, opt), before)
+    assert scaler.get_scale() == scale_before
+    assert spike.recorded("grad_norm") == 20 and spike.recorded("loss") == 20
+    for batch in batches[21:]:
+        _grad_spiked_step(driver, model, opt, batch, clip=clip)
+        assert not driver.last_step_skipped
+
+
+def test_the_loss_criterion_alone_lets_a_gradient_spike_through(device: str) -> None:
+    model, opt = _model(device, fused=False)
+    spike = SpikeGuard(warmup=10, window=50)  # on=("loss",), the default
+    driver = StepDriver(LossScaler(device, init_scale=1.0, dynamic=False, spike_guard=spike))
+    batches = _batches(device, 21)
+    for batch in batches[:20]:
+        _grad_spiked_step(driver, model, opt, batch)
+    _grad_spiked_step(driver, model, opt, batches[20], grad_times=1e3)
+    assert not driver.last_step_skipped and spike.spikes() == 0
+
+
+def test_the_gradient_norm_alone_lets_a_loss_spike_through(device: str) -> None:
+    model, opt = _model(device, fused=False)
+    spike = SpikeGuard(warmup=10, window=50, on=("grad_norm",))
+    driver = StepDriver(LossScaler(device, init_scale=1.0, dynamic=False, spike_guard=spike))
+    batches = _batches(device, 21)
+    for batch in batches[:20]:
+        _step(driver, model, opt, batch)
+    # x1e3 on the loss is x1e3 on the gradients too: here the value alone is x1e3.
+    x, y = batches[20]
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss = loss.detach() * 999.0 + loss
+    driver.scaler.scale(loss).backward()  # type: ignore[union-attr]
+    driver.step(opt, lambda: False)
+    assert not driver.last_step_skipped and spike.spikes() == 0 and spike.recorded() == 21
+
+
+def test_normal_noise_fires_neither_criterion(device: str) -> None:
+    model, opt = _model(device, fused=False)
+    spike = SpikeGuard(on=("loss", "grad_norm"))
+    scaler = LossScaler(device, init_scale=1.0, dynamic=False, spike_guard=spike)
+    driver = StepDriver(scaler)
+    gen = torch.Generator().manual_seed(3)
+    for batch in _batches(device, 300, seed=2):
+        size = int(torch.randint(8, 33, (), generator=gen))
+        noise = float(torch.empty(()).uniform_(0.5, 1.5, generator=gen))
+        _grad_spiked_step(driver, model, opt, (batch[0][:size], batch[1][:size] * noise), clip=1.0)
+    assert scaler.skipped_steps == 0 and spike.spikes() == 0
+    assert spike.recorded("loss") == spike.recorded("grad_norm") == 300
+
+
+class _GradientReads(TorchDispatchMode):
+    """Records the aten ops that take a gradient tensor (or a list holding one) as an input."""
+
+    def __init__(self, grads: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ptrs = {g.data_ptr() for g in grads}
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def reads(a: Any) -> bool:
+            if isinstance(a, torch.Tensor):
+                return a.data_ptr() in self.ptrs
+            return isinstance(a, (list, tuple)) and any(reads(x) for x in a)
+
+        if any(reads(a) for a in args):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("kind", "fused", "clip"),
+    [
+        ("guard", False, None),  # the guard's inf check computes per-tensor norms
+        ("guard", True, None),
+        ("guard", False, 1.0),  # a norm clip computes the total norm
+        ("fp16-scaler", True, None),  # the fused step's inf check (per-tensor norms)
+        ("fp16-scaler", False, 1.0),
+    ],
+)
+def test_the_gradient_norm_criterion_reads_no_gradient_again(
+    device: str, kind: str, fused: bool, clip: float | None
+) -> None:
+    # The norm the step computes anyway is taken: no op touches the gradients beyond the ones it ran.
+    ops = []
+    for spike in (None, SpikeGuard(warmup=2, on=("loss", "grad_norm"))):
+        model, opt = _model(device, fused)
+        driver = StepDriver(SCALERS[kind](device, spike))  # type: ignore[arg-type]
+        batches = _batches(device, 6)
+        for batch in batches[:5]:
+            _grad_spiked_step(driver, model, opt, batch, clip=clip)
+        x, y = batches[5]
+        driver.scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()  # type: ignore[union-attr]
+        mode = _GradientReads([p.grad for p in model.parameters() if p.grad is not None])
+
+        def hooks() -> bool:
+            if clip is not None:
+                driver.clip_grad_norm_(opt, clip)  # noqa: B023 - run at once, in this iteration
+            return clip is not None
+
+        with mode:
+            driver.step(opt, hooks)
+        assert not driver.last_step_skipped
+        ops.append(sorted(mode.ops))
+    assert ops[0] == ops[1]
+
+
+@pytest.mark.parametrize("kind", list(SCALERS))
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_the_gradient_norm_check_adds_no_host_read(device: str, fused: bool, kind: str) -> None:
+    from amp_plugin.diagnostics.host_reads import HostReads
+
+    counts = []
+    for spike in (None, SpikeGuard(warmup=2, on=("loss", "grad_norm"))):
+        model, opt = _model(device, fused)
+        driver = StepDriver(SCALERS[kind](device, spike))  # type: ignore[arg-type]
+        batches = _batches(device, 6)
+        for batch in batches[:5]:  # past the warm-up: the check runs in full
+            _step(driver, model, opt, batch)
+        with HostReads() as mode:
+            _step(driver, model, opt, batches[5])
+        counts.append(mode.count)
+    assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize(
+    ("on", "match"),
+    [
+        ((), r"SpikeGuard\(on=\(\)\).*HINT"),
+        (("loss", "gradnorm"), r"SpikeGuard\(on=.*gradnorm.*HINT"),
+        (("loss", "loss"), r"SpikeGuard\(on=.*twice.*HINT"),
+        ("loss", r"SpikeGuard\(on='loss'\).*HINT"),
+    ],
+)
+def test_bad_signals_are_refused(on: Any, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        SpikeGuard(on=on)
+
+
+# -- the history in checkpoints -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(SCALERS))
+def test_a_resumed_scaler_makes_the_same_skip_decisions_bit_for_bit(device: str, kind: str) -> None:
+    # Spikes 3 and 7 steps after the resume: with the history lost, the guard would still be warming up.
+    def run(resume_at: int | None) -> tuple[list[bool], Any, dict[str, Any]]:
+        model, opt = _model(device, fused=False)
+        driver = StepDriver(SCALERS[kind](device, SpikeGuard(warmup=10, window=16, on=("loss", "grad_norm"))))
+        skipped = []
+        for i, batch in enumerate(_batches(device, 30)):
+            if i == resume_at:
+                state = copy.deepcopy(driver.scaler.state_dict())  # type: ignore[union-attr]
+                spike = SpikeGuard(warmup=10, window=16, on=("loss", "grad_norm"))
+                driver = StepDriver(SCALERS[kind](device, spike))
+                driver.scaler.load_state_dict(state)  # type: ignore[union-attr]
+            if i == 22:  # a loss spike
+                _step(driver, model, opt, batch, times=1e3)
+            else:  # a gradient-norm spike at 26
+                _grad_spiked_step(driver, model, opt, batch, grad_times=1e3 if i == 26 else 1.0)
+            skipped.append(driver.last_step_skipped)
+        return skipped, _snapshot(model, opt), driver.scaler.state_dict()  # type: ignore[union-attr]
+
+    straight, resumed = run(None), run(19)
+    assert [i for i, s in enumerate(straight[0]) if s] == [22, 26]
+    assert straight[0] == resumed[0]
+    _assert_same(straight[1], resumed[1])
+    assert straight[2] == resumed[2]
+
+
+def test_the_state_dict_holds_the_history_and_refuses_another_window() -> None:
+    spike = SpikeGuard(warmup=2, window=4, on=("loss", "grad_norm"))
+    scaler = LossScaler("cpu", init_scale=1.0, dynamic=False, spike_guard=spike)
+    driver = StepDriver(scaler)
+    model, opt = _model("cpu", fused=False)
+    for batch in _batches("cpu", 6):
+        _step(driver, model, opt, batch)
+    state = scaler.state_dict()["spike_guard"]
+    assert state["on"] == ["loss", "grad_norm"] and state["recorded"] == [6, 6] and state["spikes"] == 0
+    other_spike = SpikeGuard(warmup=2, window=8, on=("loss", "grad_norm"))
+    other = LossScaler("cpu", init_scale=1.0, dynamic=False, spike_guard=other_spike)
+    with pytest.raises(ValueError, match=r"window.*HINT"):
+        other.load_state_dict(scaler.state_dict())
+    assert other_spike.recorded() == 0  # nothing was loaded
+    plain = LossScaler("cpu", init_scale=1.0, dynamic=False)
+    plain.load_state_dict(scaler.state_dict())  # no spike guard here: its history is not wanted
+    assert "spike_guard" not in plain.state_dict()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fabric_checkpoints_the_history(precision: str) -> None:
+    from lightning.fabric import Fabric
+
+    from amp_plugin.fabric import AMPPrecision
+
+    def fabric_run(steps: int, state: dict[str, Any] | None) -> tuple[AMPPrecision, SpikeGuard]:
+        spike = SpikeGuard(warmup=2, on=("loss", "grad_norm"))
+        plugin = AMPPrecision(precision, device="cpu", spike_guard=spike)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model, opt = _model("cpu", fused=False)
+        model, opt = fabric.setup(model, opt)
+        if state is not None:
+            plugin.load_state_dict(state)
+        for x, y in _batches("cpu", steps):
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        return plugin, spike
+
+    plugin, spike = fabric_run(5, None)
+    state = copy.deepcopy(plugin.state_dict())
+    _, resumed = fabric_run(0, state)
+    assert resumed.recorded("loss") == resumed.recorded("grad_norm") == spike.recorded() == 5
+    assert resumed.state_dict() == spike.state_dict()

@@ -8,6 +8,7 @@ strategy's wrapper, and whether any hook can look at the gradients between backw
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -39,6 +40,7 @@ __all__ = [
     "lightning_module",
     "module_device",
     "resolve_settings",
+    "scaler_property",
 ]
 
 _OBSERVING_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
@@ -170,6 +172,38 @@ def assigned_scaler(
             hint="assign one for the device you train on, e.g. LossScaler('cpu').",
         )
     return new
+
+
+def scaler_property(call: str, doc: str, grad_scaler: bool = True, resolved_dtype: bool = True) -> property:
+    """The ``scaler`` property of a plugin (``call`` names it in errors), one for every adapter.
+
+    Reading gives the plugin's ``_scaler``. Assigning checks the new scaler with
+    :func:`assigned_scaler` (``grad_scaler``: a ``torch.amp.GradScaler`` is taken and converted;
+    ``resolved_dtype``: the plugin's ``dtype`` says whether it is fp16), hands it to the plugin's
+    step driver if that was using the old one, and gives it the plugin's ``spike_guard`` if there
+    is one. Before the plugin's own ``__init__`` has made its ``_driver`` (a base class's
+    ``__init__`` assigning), the value is stored as it is.
+    """
+
+    def get(plugin: Any) -> LossScaler | None:
+        scaler: LossScaler | None = plugin._scaler
+        return scaler
+
+    def set_(plugin: Any, scaler: LossScaler | torch.amp.GradScaler | None) -> None:
+        if "_driver" not in plugin.__dict__:
+            plugin._scaler = scaler
+            return
+        dtype = plugin.dtype if resolved_dtype else None
+        new = assigned_scaler(call, str(plugin.precision), dtype, scaler, grad_scaler=grad_scaler)
+        old, plugin._scaler = plugin._scaler, new
+        driver = plugin._driver
+        if driver is not None and old is not None and driver.scaler is old:
+            driver.scaler = new  # the steps read the driver's scaler
+        spike_guard = getattr(plugin, "spike_guard", None)
+        if new is not None and spike_guard is not None:
+            new.spike_guard = spike_guard
+
+    return property(get, set_, doc=doc)
 
 
 def resolve_settings(requested: str, device: object) -> tuple[str, torch.dtype, str]:

@@ -144,24 +144,16 @@ class AMPFSDPPrecision(FSDPPrecision):
         if scaler is not None and (state := grad_scaler_state(scaler)):
             checkpoint[FSDPPrecision.__qualname__] = state
 
-    @property  # type: ignore[override]  # FSDPPrecision's is a ShardedGradScaler attribute
-    def scaler(self) -> LossScaler | None:
+    scaler = checks.scaler_property(  # FSDPPrecision has a ShardedGradScaler attribute here
+        "AMPFSDPPrecision",
         """The ``"16-mixed"`` loss scaler, else ``None``; one assigned between steps is the one the steps use.
 
         Refused (``TypeError``/``ValueError``, nothing changed): anything but a ``LossScaler``, a
         scaler for another precision, ``None`` for ``"16-mixed"``.
-        """
-        return self._scaler
-
-    @scaler.setter
-    def scaler(self, scaler: LossScaler | None) -> None:
-        if "_driver" not in self.__dict__:  # FSDPPrecision.__init__ (through _compat) stores it
-            self._scaler = scaler
-            return
-        new = checks.assigned_scaler("AMPFSDPPrecision", str(self.precision), None, scaler, grad_scaler=False)
-        old, self._scaler = self._scaler, new
-        if old is not None and self._driver.scaler is old:
-            self._driver.scaler = new  # the steps read the driver's scaler
+        """,
+        grad_scaler=False,
+        resolved_dtype=False,
+    )
 
     @property
     def guard(self) -> LossScaler | None:

@@ -500,8 +500,8 @@ class AMPPrecision(MixedPrecision):
             self.last_grad_norm = self._require_driver().grad_norm(optimizer)
         self._require_driver().clip_grad_value_(optimizer, float(clip_val))
 
-    @property  # type: ignore[override]  # MixedPrecision's is a GradScaler attribute
-    def scaler(self) -> LossScaler | None:
+    scaler = checks.scaler_property(  # MixedPrecision has a GradScaler attribute here
+        "AMPPrecision",
         """The fp16 loss scaler (``None`` for the other precisions, and for ``"auto"`` until resolved).
 
         Assigning one between steps (``precision.scaler = LossScaler(...)``) makes the steps use it:
@@ -514,17 +514,8 @@ class AMPPrecision(MixedPrecision):
             >>> plugin.scaler = LossScaler("cpu", init_scale=8.0)
             >>> plugin.guard is plugin.scaler, plugin.scaler.get_scale()
             (True, 8.0)
-        """
-        return self._scaler
-
-    @scaler.setter
-    def scaler(self, scaler: LossScaler | torch.amp.GradScaler | None) -> None:
-        new = checks.assigned_scaler("AMPPrecision", str(self.precision), self.dtype, scaler)
-        old, self._scaler = self._scaler, new
-        if self._driver is not None and old is not None and self._driver.scaler is old:
-            self._driver.scaler = new  # the steps read the driver's scaler
-        if new is not None and self.spike_guard is not None:
-            new.spike_guard = self.spike_guard
+        """,
+    )
 
     @property
     def guard(self) -> LossScaler | None:

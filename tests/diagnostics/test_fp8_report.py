@@ -21,6 +21,7 @@ from amp_plugin.cli import main
 from amp_plugin.diagnostics import fp8_report as doctor
 from amp_plugin.fp8 import Float8, float8_layer_names, select_layers
 from tests._fp8_models import TinyLM, batches
+from tests._torch_features import ROWWISE_ON_CPU_REASON, cpu_rowwise_scaled_mm
 
 needs_torchao = pytest.mark.skipif(
     _imports.torchao_error() is not None, reason=f"needs torchao 0.18 ({_imports.torchao_error()})"
@@ -101,6 +102,8 @@ def test_doctor_fp8_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert out.startswith(f"fp8 (recipe tensorwise)\n  {_hardware_line()}")
     assert "smaller than min_features=1024" in out  # the default rule: TinyLM is too small to gain
+    if not cpu_rowwise_scaled_mm():
+        pytest.skip(ROWWISE_ON_CPU_REASON)
     assert main(["doctor", "--fp8", "rowwise", "--json", "--model", "tests._fp8_models:TinyLM"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["recipe"] == "rowwise" and len(document["layers"]) == 9

@@ -197,3 +197,20 @@ def test_report_bar_values_and_the_target_line_never_overlap() -> None:
         assert "target 0.98" in ax.get_title()
     finally:
         plt.close(fig)
+
+
+def test_the_gpu_profile_script_runs_and_counts_the_calls_that_differ(tmp_path: Path) -> None:
+    """benchmarks/gpu/profile_bf16_step.py (a profile, outside the report): its CPU smoke run."""
+    out = tmp_path / "profile.json"
+    script = BENCHMARKS / "gpu" / "profile_bf16_step.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--json", str(out)],
+        cwd=tmp_path, env=_cpu_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["mp", "amp", "amp-advance", "amp-noguard"]
+    assert results["amp-noguard"]["calls_vs_mp_per_step"] == {}  # no guard: Lightning's very calls
+    assert results["amp"]["calls_vs_mp_per_step"]["aten::_foreach_norm"] == 1  # the guard's one read
+    assert "aten::item" not in results["amp-advance"]["calls_vs_mp_per_step"]  # no hold, no host read
+    assert results["amp"]["calls_vs_mp_per_step"]["aten::item"] == 1  # the hold reads the fused flag

@@ -25,6 +25,7 @@ from torch._dynamo.utils import counters
 
 from amp_plugin import AMPPrecision, LossScaler
 from amp_plugin.fp32_policy import force_fp32
+from tests._torch_features import needs_dynamo_autocast_switches
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -115,7 +116,12 @@ def _fit(module: L.LightningModule, plugin: AMPPrecision) -> None:
         trainer.fit(module, _data())
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+def _cases(names: list[str]) -> list[Any]:
+    """The set-ups, those with fp32 modules or functions marked: they switch autocast in compiled code."""
+    return [pytest.param(n, marks=needs_dynamo_autocast_switches) if "fp32" in n else n for n in names]
+
+
+@pytest.mark.parametrize("case", _cases(sorted(CASES)))
 def test_compiled_training_matches_eager_with_no_graph_break(case: str) -> None:
     eager = Regressor()
     _fit(eager, AMPPrecision(device="cpu", **CASES[case]))
@@ -143,7 +149,7 @@ class WholeStep(Regressor):
         self.losses.append(outputs["loss"].item())
 
 
-@pytest.mark.parametrize("case", ["16-mixed", "bf16 + fp32 LayerNorm"])
+@pytest.mark.parametrize("case", _cases(["16-mixed", "bf16 + fp32 LayerNorm"]))
 def test_a_compiled_lightning_module_matches_eager(case: str) -> None:
     # Trainer.fit(torch.compile(module)) compiles training_step itself; the plugin's autocast
     # region and the fp32 hooks' switch sit around and inside it.
@@ -160,6 +166,7 @@ def test_a_compiled_lightning_module_matches_eager(case: str) -> None:
     assert len(module.losses) == len(eager.losses) == STEPS
     assert module.losses == pytest.approx(eager.losses, rel=REL_TOL[plugin.dtype])
 
+@needs_dynamo_autocast_switches
 def test_forced_fp32_module_stays_fp32_inside_the_compiled_graph() -> None:
     class Probe(nn.Module):
         def __init__(self) -> None:
@@ -230,6 +237,7 @@ def test_loss_scaler_with_autocast_and_a_compiled_module_matches_eager() -> None
 
 
 
+@needs_dynamo_autocast_switches
 def test_autocast_entered_inside_the_compiled_function_is_refused_by_dynamo() -> None:
     # A known limit, pinned so that the docs change when torch lifts it: with autocast entered
     # *inside* the compiled function, dynamo treats the hooks' autocast switch as a change of the
@@ -249,6 +257,7 @@ def test_autocast_entered_inside_the_compiled_function_is_refused_by_dynamo() ->
     assert out.dtype == torch.bfloat16
 
 
+@needs_dynamo_autocast_switches
 def test_a_compiled_model_recompiles_when_the_fp32_hooks_are_registered_again() -> None:
     # Also a known limit: the exit hook is registered with always_call=True (it must close the fp32
     # region when forward raises), and dynamo guards on that hook's id; ids never repeat, so each

@@ -21,6 +21,7 @@ import torch._dynamo
 from torch import nn
 
 from amp_plugin import LossScaler
+from tests._torch_features import TORCH
 
 OPTIM = str(Path(torch.optim.__file__).parent)
 WHERE = re.compile(r"Graph break .*in user code at (?P<file>[^:]+):\d+")
@@ -53,6 +54,11 @@ def breaks() -> Iterator[_Breaks]:
         torch._dynamo.reset()
 
 
+@pytest.mark.skipif(
+    TORCH < (2, 13),
+    reason=f"torch {torch.__version__} < 2.13: Dynamo cannot set attributes on the optimizer "
+    "(the fused step hands grad_scale and found_inf to it as attributes, as GradScaler does)",
+)
 @pytest.mark.parametrize(
     ("dtype", "init_scale", "dynamic"),
     [(torch.float16, 2.0**10, True), (torch.bfloat16, 1.0, False)],
