@@ -202,6 +202,7 @@ class MasterWeights:
             self._rest = {id(master): r for (_, master), r in zip(self._pairs, remainders, strict=True)}
         self._attached: dict[int, tuple[Optimizer, list[RemovableHandle], Any]] = {}
         self._module_hooks: list[RemovableHandle] = []
+        self._nans: dict[torch.device, Tensor] = {}  # the packed masters' shared stand-in per device
 
     def __getstate__(self) -> dict[str, Any]:
         # A deep copy or pickle of the model copies its masters through the state_dict hooks; the
@@ -263,7 +264,7 @@ class MasterWeights:
         if rest is None:
             return master.detach()
         value = torch.empty_like(half, dtype=torch.float32)
-        _join_into(value, half, rest)
+        _join_all([value], [half], [rest])
         return value
 
     # -- the optimizer ---------------------------------------------------------------------------
@@ -381,29 +382,34 @@ class MasterWeights:
     def _unpack(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         """Give each packed master its fp32 value, ``(bits(b) << 16) + r``; release ``r``.
 
-        One tensor at a time, so that the step's peak holds one remainder and one master at most
-        beside the others. A master that is live already (a step that raised half-way) keeps its values.
+        A chunk of at most :data:`_CHUNK_BYTES` of fp32 values at a time (foreach passes over the
+        chunk's tensors), so that the step's peak holds one chunk's remainders beside the masters
+        at most. A master that is live already (a step that raised half-way) keeps its values.
         """
         with torch.no_grad():
-            for half, master in pairs:
-                rest = self._rest[id(master)]
-                if rest is None:
-                    continue
-                value = torch.empty_like(half.data, dtype=torch.float32)
-                _join_into(value, half.data, rest)
-                master.data = value
-                self._rest[id(master)] = None
+            packed = [(half, master) for half, master in pairs if self._rest[id(master)] is not None]
+            for chunk in _chunks(packed):
+                highs = [half.data for half, _ in chunk]
+                values = [torch.empty_like(high, dtype=torch.float32) for high in highs]
+                _join_all(values, highs, [rest for _, m in chunk if (rest := self._rest[id(m)]) is not None])
+                for (_, master), value in zip(chunk, values, strict=True):
+                    master.data = value
+                    self._rest[id(master)] = None
 
     def _pack(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
-        """Split each live master into its bf16 parameter and a new remainder; release the master."""
+        """Split each live master into its bf16 parameter and a new remainder; release the master.
+
+        A chunk at a time, as :meth:`_unpack` rebuilds them.
+        """
         with torch.no_grad():
-            for half, master in pairs:
-                if self._rest[id(master)] is not None:
-                    continue
-                rest = torch.empty_like(half.data, dtype=torch.int16)
-                _split_into(half.data, rest, master.data)
-                self._rest[id(master)] = rest
-                master.data = _stand_in(half)
+            live = [(half, master) for half, master in pairs if self._rest[id(master)] is None]
+            for chunk in _chunks(live):
+                highs = [half.data for half, _ in chunk]
+                rests = [torch.empty_like(high, dtype=torch.int16) for high in highs]
+                _split_all(highs, rests, [master.data for _, master in chunk])
+                for (half, master), rest in zip(chunk, rests, strict=True):
+                    self._rest[id(master)] = rest
+                    master.data = _stand_in(half, self._nans)
 
     @torch.no_grad()
     def _follow_devices(self) -> None:
@@ -418,7 +424,7 @@ class MasterWeights:
             rest = self._rest.get(id(master))
             if rest is not None:
                 self._rest[id(master)] = rest.to(half.device)
-                master.data = _stand_in(half)
+                master.data = _stand_in(half, self._nans)
             else:
                 master.data = master.data.to(half.device)
 
@@ -509,7 +515,7 @@ class MasterWeights:
                 continue
             rest = torch.empty_like(half.data, dtype=torch.int16)
             high = torch.empty_like(half.data)
-            _split_into(high, rest, fp32.clone())
+            _split_all([high], [rest], [fp32.clone()])
             self._rest[id(master)] = rest
             # torch's own load then copies this bf16 high half (not a round-to-nearest-even) in.
             for name in self.names[id(master)]:
@@ -549,37 +555,72 @@ def masters_of(module: nn.Module) -> MasterWeights | None:
     return found
 
 
-def _join_into(out: Tensor, high: Tensor, rest: Tensor) -> None:
-    """``out`` (fp32) = the value whose bits are ``(bits(high) << 16) + rest``, in int32 arithmetic.
+#: fp32 bytes of masters rebuilt (or split) together: the step's transient above 18 B/param is
+#: one chunk's remainders (or, while splitting, its new remainders), not the whole model's.
+_CHUNK_BYTES = 1 << 26
+_Pair = tuple[nn.Parameter, nn.Parameter]  # (half model parameter, fp32 master)
 
-    ``high`` is bf16, ``rest`` int16 (the low 16 bits as a signed number); any strides.
+
+def _chunks(pairs: list[_Pair]) -> Iterator[list[_Pair]]:
+    """``pairs`` in consecutive chunks of at most :data:`_CHUNK_BYTES` of fp32 (a larger tensor alone)."""
+    chunk: list[_Pair] = []
+    size = 0
+    for pair in pairs:
+        nbytes = 4 * pair[0].numel()
+        if chunk and size + nbytes > _CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(pair)
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _join_all(outs: list[Tensor], highs: list[Tensor], rests: list[Tensor]) -> None:
+    """Each ``out`` (fp32) = the value whose bits are ``(bits(high) << 16) + rest``, in int32 arithmetic.
+
+    ``high`` is bf16, ``rest`` int16 (the low 16 bits as a signed number); any strides. Two
+    foreach passes over the lists.
     """
-    bits = out.view(torch.int32)
-    bits.copy_(rest)  # sign-extended: a negative remainder borrows from the high half
-    bits.add_(high.view(torch.int16), alpha=1 << 16)  # |bits(high) * 2**16| <= 2**31: fits
+    bits = [out.view(torch.int32) for out in outs]
+    torch._foreach_copy_(bits, rests)  # sign-extended: a negative remainder borrows from the high half
+    # |bits(high) * 2**16| <= 2**31: fits.
+    torch._foreach_add_(bits, [high.view(torch.int16) for high in highs], alpha=1 << 16)
 
 
-def _split_into(high: Tensor, rest: Tensor, value: Tensor) -> None:
-    """Write fp32 ``value`` as bf16 ``high`` and int16 ``rest`` so that :func:`_join_into` restores it.
+def _split_all(highs: list[Tensor], rests: list[Tensor], values: list[Tensor]) -> None:
+    """Write each fp32 ``value`` as bf16 ``high`` and int16 ``rest`` so that :func:`_join_all` restores it.
 
     ``high`` takes the top 16 bits, plus one when the low 16 bits are ``>= 0x8000`` (the value
     rounded to the nearest bf16, ties away from zero: adding one to the bits of a sign-magnitude
-    number moves it away from zero); ``rest`` takes the low 16 bits minus ``0x10000`` in that case,
-    so that it fits in int16. ``value`` is overwritten (it is the master being released).
+    number moves it away from zero); ``rest`` takes the low 16 bits as a signed number, which is
+    the low half minus ``0x10000`` exactly in that case. ``values`` are overwritten (they are the
+    masters being released). Four integer passes in place (three of them foreach), each over one
+    dtype pair: the int32 -> int16 copies keep the low 16 bits (two's complement narrowing), and
+    no temporary is allocated.
     """
-    bits = value.view(torch.int32)
-    top = bits + (1 << 15)  # the carry into the high half when the low half is >= 0x8000
-    top.bitwise_right_shift_(16)  # arithmetic shift: the bf16 bits, as a signed number
-    high.view(torch.int16).copy_(top)
-    bits.sub_(top, alpha=1 << 16)  # what is left: in [-0x8000, 0x7FFF]
-    rest.copy_(bits)
+    bits = [value.view(torch.int32) for value in values]
+    torch._foreach_copy_(rests, bits)  # the signed low half
+    torch._foreach_add_(bits, 1 << 15)  # the carry into the high half when the low half is >= 0x8000
+    for b in bits:  # torch has no foreach shift
+        b.bitwise_right_shift_(16)  # arithmetic shift: the bf16 bits, as a signed number
+    torch._foreach_copy_([high.view(torch.int16) for high in highs], bits)
     # Only a NaN whose top 16 bits are all ones (0x7FFF/0xFFFF) and low half >= 0x8000 wraps; the
     # join still restores its bits, but the bf16 weight shows a zero instead of NaN.
 
 
-def _stand_in(half: Tensor) -> Tensor:
-    """What a packed master holds: one fp32 NaN broadcast to its shape (reads show NaN, writes raise)."""
-    return torch.full((), float("nan"), dtype=torch.float32, device=half.device).expand(half.shape)
+def _stand_in(half: Tensor, nans: dict[torch.device, Tensor] | None = None) -> Tensor:
+    """What a packed master holds: one fp32 NaN broadcast to its shape (reads show NaN, writes raise).
+
+    ``nans`` caches one 0-dim NaN per device for the stand-ins of one :class:`MasterWeights`, so
+    packing its masters launches no fill per tensor per step.
+    """
+    nan = None if nans is None else nans.get(half.device)
+    if nan is None:
+        nan = torch.full((), float("nan"), dtype=torch.float32, device=half.device)
+        if nans is not None:
+            nans[half.device] = nan
+    return nan.expand(half.shape)
 
 
 def _describe(value: object) -> str:
@@ -667,7 +708,7 @@ def cast_model(
             if mastered and remainder:
                 high = torch.empty_like(original, dtype=target)
                 remainders.append(torch.empty_like(original, dtype=torch.int16))
-                _split_into(high, remainders[-1], original.float().clone())
+                _split_all([high], [remainders[-1]], [original.float().clone()])
                 _cast_(param, high, target)
                 pairs.append((param, nn.Parameter(_stand_in(high), requires_grad=True)))
                 continue
