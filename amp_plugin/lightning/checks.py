@@ -183,6 +183,21 @@ def scaler_property(call: str, doc: str, grad_scaler: bool = True, resolved_dtyp
     step driver if that was using the old one, and gives it the plugin's ``spike_guard`` if there
     is one. Before the plugin's own ``__init__`` has made its ``_driver`` (a base class's
     ``__init__`` assigning), the value is stored as it is.
+
+    Example:
+        >>> class Plugin:
+        ...     precision, dtype, spike_guard = "16-mixed", torch.float16, None
+        ...     scaler = scaler_property("Plugin", "The loss scaler.")
+        ...     def __init__(self):
+        ...         self._driver, self._scaler = None, LossScaler("cpu")
+        >>> plugin = Plugin()
+        >>> plugin.scaler = LossScaler("cpu", init_scale=8.0)
+        >>> plugin.scaler.get_scale()
+        8.0
+        >>> plugin.scaler = None
+        Traceback (most recent call last):
+        ...
+        ValueError: Plugin.scaler(None) is not allowed here: ...
     """
 
     def get(plugin: Any) -> LossScaler | None:
