@@ -72,7 +72,8 @@ class AMPPrecision(MixedPrecision):
         guard: skip every step whose loss or gradients hold an inf/NaN, in every precision;
             ``False`` turns it off where no loss scaler runs.
         spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
-            jumps far above its recent history (counted as a skip; the scale does not back off).
+            (or, with ``on=("loss", "grad_norm")``, unscaled gradient norm) jumps far above its
+            recent history (counted as a skip; the scale does not back off; kept in checkpoints).
         master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
             optimizer step fp32 master copies (Apex's O2); the model's ``state_dict`` (and so
             ``fabric.save``) holds the fp32 values.

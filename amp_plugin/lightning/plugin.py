@@ -101,7 +101,8 @@ class AMPPrecision(MixedPrecision):
             significant bits; see :mod:`amp_plugin.grad_accumulation`. Single-device strategies
             only: under DDP and the other strategies it is off, with a warning.
         spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
-            jumps far above its recent history (counted as a skip; the scale does not back off).
+            (or, with ``on=("loss", "grad_norm")``, unscaled gradient norm) jumps far above its
+            recent history (counted as a skip; the scale does not back off; kept in checkpoints).
             It is handed to the :attr:`guard`.
 
     Example:
