@@ -347,7 +347,7 @@ def test_remainder_masters_are_o2_bit_for_bit_until_the_first_even_tie() -> None
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         masters.attach(opt)
         runs.append((model, masters, opt, _guard()))
-    poisoned, compared = {5, 6, 30}, 0
+    poisoned, compared = {5, 6, 20}, 0
     for step in range(200):
         for model, masters, opt, guard in runs:
             loss = functools.partial(_call_with, _mlp_loss, step)
@@ -362,7 +362,9 @@ def test_remainder_masters_are_o2_bit_for_bit_until_the_first_even_tie() -> None
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), step
         for (key, a), (_, b) in zip(_states(o2_opt), _states(rem_opt), strict=True):
             assert torch.equal(a, b), (step, key)
-    assert compared >= 100  # with these skips a master first lands on an even tie at step 129
+    # The first even tie comes after these skips, at a step that depends on the BLAS and its thread
+    # count (129 with two threads, 74 with one, on the development VM): the skips are compared.
+    assert compared > max(poisoned)
 
 
 # ---------------------------------------------------------------- checkpoints
