@@ -123,11 +123,11 @@ class AMPPrecision(MixedPrecision):
         spike_guard: SpikeGuard | None = None,
     ) -> None:
         checks.check_arguments(precision, scaler, "auto", lr_on_skip, guard)
-        self.spike_guard = check_spike_guard("AMPPrecision (Fabric)", spike_guard, guard)
+        self.spike_guard = check_spike_guard("AMPPrecision", spike_guard, guard)
         keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
-        self.fp8 = check_fp8_request("AMPPrecision (Fabric)", fp8, precision, master_weights)
+        self.fp8 = check_fp8_request("AMPPrecision", fp8, precision, master_weights)
         self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
-        self.kernels = check_backend(kernels, "AMPPrecision (Fabric)", "kernels")
+        self.kernels = check_backend(kernels, "AMPPrecision", "kernels")
         self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
         fallback = "cuda" if torch.cuda.is_available() else "cpu"
         device_type, dtype, name = checks.resolve_settings(precision, fallback if device is None else device)
@@ -422,7 +422,7 @@ class AMPPrecision(MixedPrecision):
     # -- what a Fabric loop reads ------------------------------------------------------------------
 
     scaler = checks.scaler_property(  # MixedPrecision has a GradScaler attribute here
-        "AMPPrecision (Fabric)",
+        "AMPPrecision",
         """The fp16 loss scaler (``None`` for the other precisions).
 
         Assigning one between steps (``precision.scaler = LossScaler(...)``) makes the steps use it:
