@@ -236,7 +236,6 @@ class LossScaler:
         self._iteration = Iteration()
         self._guard_only = _guard_only(policy)
         self._last_skipped: bool | None = None  # last_step_skipped, where update() knew it on the host
-        self._spike_synced = False  # this iteration's spike flag was agreed across ranks
 
     @classmethod
     def from_grad_scaler(cls, grad_scaler: Any, **options: Any) -> LossScaler:
@@ -416,7 +415,8 @@ class LossScaler:
             )
         self._last_skipped = self._iteration.skipped_on_host()  # known without a read where step() read
         # Only a spike flag that a step() of this iteration applied is counted (made there, once).
-        spike = self.spike_guard.flag() if self.spike_guard is not None and self._spike_synced else None
+        guard = self.spike_guard
+        spike = guard.flag() if guard is not None and guard.flag_made else None
         found_inf = found[0]  # read only below, and the iteration's flags are dropped with it
         if len(found) > 1:
             found_inf = found_inf.clone()
@@ -850,13 +850,11 @@ class LossScaler:
         flag = spike.flag(agree)
         if flag is None:
             return found_inf
-        self._spike_synced = True
         state.skip = torch.maximum(found_inf, flag.to(found_inf.device))
         return state.skip
 
     def _end_iteration(self) -> None:
         self._iteration.clear()
-        self._spike_synced = False
 
     # -- used by AMPPrecision for Lightning's control flow -----------------------------------
 

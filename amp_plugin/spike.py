@@ -123,6 +123,11 @@ class SpikeGuard:
         """Whether this iteration still needs a gradient norm (watched, none observed, no flag made)."""
         return "grad_norm" in self.on and self._norm is None and self._flag is None
 
+    @property
+    def flag_made(self) -> bool:
+        """Whether :meth:`flag` made this iteration's flag already (a later call returns that one)."""
+        return self._flag is not None
+
     def observe_grad_norm(self, norm: Tensor) -> None:
         """Take ``norm`` (the unscaled total norm, 0-dim) as this iteration's gradient norm.
 
