@@ -16,10 +16,13 @@ TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:
 
 # torch < 2.13's Dynamo lists torch.set_autocast_enabled and torch._C._is_autocast_available among
 # the functions it will not trace, so a compiled forward that switches autocast breaks the graph.
+DYNAMO_TRACES_AUTOCAST_SWITCHES = TORCH >= (2, 13)
+DYNAMO_AUTOCAST_REASON = (
+    f"torch {torch.__version__} < 2.13: Dynamo cannot trace torch.set_autocast_enabled "
+    "or torch._C._is_autocast_available (fp32 functions and modules switch autocast in compiled code)"
+)
 needs_dynamo_autocast_switches = pytest.mark.skipif(
-    TORCH < (2, 13),
-    reason=f"torch {torch.__version__} < 2.13: Dynamo cannot trace torch.set_autocast_enabled "
-    "or torch._C._is_autocast_available (fp32 functions and modules switch autocast in compiled code)",
+    not DYNAMO_TRACES_AUTOCAST_SWITCHES, reason=DYNAMO_AUTOCAST_REASON
 )
 
 

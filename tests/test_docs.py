@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._torch_features import DYNAMO_AUTOCAST_REASON, DYNAMO_TRACES_AUTOCAST_SWITCHES
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"(?:<!--\s*no-run:(?P<why>[^>]*)-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
@@ -49,8 +51,9 @@ def test_page_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a temporary folder
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
-    if any(why is None and "torch.compile(" in code for _, code, why in _blocks(page)):
-        needs_dynamo_autocast_switches(page.name)
+    compiles = any(why is None and "torch.compile(" in code for _, code, why in _blocks(page))
+    if compiles and not DYNAMO_TRACES_AUTOCAST_SWITCHES:  # its compiled code uses fp32 modules or functions
+        pytest.skip(f"{page.name} compiles: {DYNAMO_AUTOCAST_REASON}")
     for line, code, why in _blocks(page):
         if why is not None:
             continue
@@ -61,19 +64,6 @@ def test_page_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Mo
             exec(compile(code, f"{page.name}:{line}", "exec"), namespace)
         except Exception as err:
             raise AssertionError(f"{page.name}, the block at line {line} failed: {err!r}") from err
-
-
-def needs_dynamo_autocast_switches(name: str) -> None:
-    """A page that compiles is for the torch the project supports (2.13 on): older Dynamo cannot trace it."""
-    import torch
-
-    from tests._torch_features import TORCH
-
-    if TORCH < (2, 13):
-        pytest.skip(
-            f"{name} compiles code that switches autocast; torch {torch.__version__} < 2.13's Dynamo "
-            "cannot trace torch.set_autocast_enabled or torch._C._is_autocast_available"
-        )
 
 
 def _library_names() -> set[str]:
