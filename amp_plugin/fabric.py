@@ -69,9 +69,10 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             ``rounding``, ``rounding_seed``, ``guard``, ``fp8``, ``fp32_grad_accumulation``,
             ``spike_guard``; each is described in :class:`~amp_plugin.run.RunOptions`. Under Fabric,
             ``lr_on_skip`` acts on schedulers wrapped by :meth:`skip_aware`; ``fp8`` converts the
-            layers in ``fabric.setup(model)`` (:attr:`fp8_report` says which); ``clip_fused`` and
-            ``fp32_grad_accumulation`` change nothing (``fabric.clip_gradients`` unscales first, and
-            Fabric does not say how many backward passes a step takes).
+            layers in ``fabric.setup(model)`` (:attr:`fp8_report` says which). Two ask for what only
+            the Trainer does: ``clip_fused=True`` (``fabric.clip_gradients`` unscales before it
+            clips) and ``fp32_grad_accumulation=True`` (Fabric does not say how many backward passes
+            a step takes) are refused with a ``ValueError``; ``False`` is what Fabric does anyway.
 
     ``fabric.save(path, {"model": model, "optimizer": optimizer, "amp": precision})`` stores the
     scaler (or guard) state and the rounding generators (Fabric saves what it is handed, and it
@@ -93,6 +94,15 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         scaler: LossScaler | torch.amp.GradScaler | None = None,
         **options: Unpack[RunOptions],
     ) -> None:
+        for name, why in _TRAINER_ONLY.items():
+            if options.get(name) is True:
+                fail(
+                    "AMPPrecision",
+                    passed=f"{name}=True",
+                    why=why,
+                    allowed=f"{name}=True with the Trainer's amp_plugin.AMPPrecision only",
+                    hint=f"drop {name}=True: Fabric's plugin takes every other option as the Trainer's does.",
+                )
         fallback = "cuda" if torch.cuda.is_available() else "cpu"
         device = fallback if device is None else device
         self._run = AMPRun(precision, device, scaler, say=_say, **options)
@@ -448,6 +458,15 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         for hooks in self._fp32_hooks.values():
             hooks.remove()
         self._fp32_hooks.clear()
+
+
+_TRAINER_ONLY = {  # options that ask for something only the Trainer can do
+    "clip_fused": "fabric.clip_gradients unscales the gradients before it clips them: there is no fused clip",
+    "fp32_grad_accumulation": (
+        "Fabric does not say how many backward passes an optimizer step takes, so micro-batch gradients "
+        "add up in the half .grad"
+    ),
+}
 
 
 def _say(message: str, warn: bool) -> None:

@@ -36,10 +36,18 @@ def test_both_plugins_have_one_signature_precision_device_scaler_then_keywords()
 
 @pytest.mark.parametrize("plugin", PLUGINS)
 def test_every_keyword_is_taken_by_both_plugins(plugin: type) -> None:
-    """Each option, passed with its default, builds either plugin."""
+    """Each option, passed with its default, builds either plugin (Fabric: what Fabric can do)."""
     for name, default in DEFAULTS.items():
-        built = plugin("bf16-mixed", device="cpu", **{name: default})
+        value = False if plugin is FabricAMPPrecision and default is True and name != "guard" else default
+        built = plugin("bf16-mixed", device="cpu", **{name: value})
         assert built.precision == "bf16-mixed", name
+
+
+@pytest.mark.parametrize("name", ["clip_fused", "fp32_grad_accumulation"])
+def test_fabric_refuses_what_only_the_trainer_can_do_rather_than_ignore_it(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"AMPPrecision\({name}=True\).*Trainer's.*HINT: drop {name}=True"):
+        FabricAMPPrecision("bf16-true", device="cpu", **{name: True})
+    assert getattr(FabricAMPPrecision("bf16-true", device="cpu", **{name: False}), name) is False
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
