@@ -14,6 +14,7 @@ in :mod:`amp_plugin.sharding` plugs that into the clipping code. The proof that 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Literal
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "check_sync_mode",
     "checked_sync_enabled",
     "global_norm",
+    "is_rank_zero",
     "sync_enabled",
 ]
 
@@ -223,6 +225,18 @@ def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -
         _all_reduce_(reduced, dist.ReduceOp.SUM, group)
         reduced = reduced.pow(1.0 / p)
     return reduced.float()
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is rank zero: of the default process group, else by the ``RANK`` launchers set.
+
+    Example:
+        >>> is_rank_zero()  # one process, no process group
+        True
+    """
+    if _initialised():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _initialised() -> bool:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Generator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
 import torch
@@ -29,32 +29,29 @@ from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
 from amp_plugin._validation import fail
-from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
-from amp_plugin.half_weights import HalfWeights
-from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning import checkpoint as checkpoints
 from amp_plugin.lightning._monitor_values import amp_metrics
+from amp_plugin.lightning._run_view import RunView
 from amp_plugin.lightning.opt_levels import opt_level_arguments
-from amp_plugin.master_weights import MasterWeights
 from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
-from amp_plugin.precision import default_dtype, true_dtype
+from amp_plugin.run import AMPRun, RunOptions
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
-from amp_plugin.spike import SpikeGuard, check_spike_guard
-from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
 
 
-class AMPPrecision(MixedPrecision):
+class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a LossScaler property
     """Mixed precision for ``Fabric(plugins=[AMPPrecision(...)])``, with amp_plugin's loss scaler.
+
+    The arguments are the Trainer plugin's (:class:`amp_plugin.AMPPrecision`): both hand them to one
+    :class:`~amp_plugin.run.AMPRun`, which checks them and builds the run.
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
@@ -67,29 +64,15 @@ class AMPPrecision(MixedPrecision):
             ``"cpu"`` (pass ``device="cpu"`` for ``Fabric(accelerator="cpu")`` on a GPU machine).
         scaler: the :class:`LossScaler` for fp16 (a ``torch.amp.GradScaler`` is converted with its
             settings and state); fp16 gets ``LossScaler()`` by default.
-        kernels: kernel backend for the default scaler.
-        fp32_modules: module classes whose forward runs in fp32 with autocast off.
-        guard: skip every step whose loss or gradients hold an inf/NaN, in every precision;
-            ``False`` turns it off where no loss scaler runs.
-        spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
-            (or, with ``on=("loss", "grad_norm")``, unscaled gradient norm) jumps far above its
-            recent history (counted as a skip; the scale does not back off; kept in checkpoints).
-        master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
-            optimizer step fp32 master copies (Apex's O2); the model's ``state_dict`` (and so
-            ``fabric.save``) holds the fp32 values.
-            ``"remainder"`` (with ``"bf16-mixed"``) keeps the same exact fp32 masters as the bf16
-            weights plus an int16 remainder each: 2 bytes per parameter less (see
-            :mod:`amp_plugin.master_weights`).
-        keep_fp32: module classes whose weights stay fp32 when the model is cast; default: the
-            normalization layers with master weights, nothing with "-true" precisions.
-        rounding: how updates are written into "-true" weights: ``"nearest"``, ``"stochastic"``
-            or ``"kahan"`` (see :mod:`amp_plugin.rounded_updates`).
-        rounding_seed: seed of the stochastic rounding (the same on every rank).
-        lr_on_skip: what a scheduler wrapped by :meth:`skip_aware` does after a skipped step:
-            ``"hold"`` or ``"advance"`` (without PyTorch's order warning).
-        fp8: run the eligible ``nn.Linear`` layers' matmuls in fp8 through torchao (with
-            ``"bf16-mixed"``): a recipe name or a :class:`~amp_plugin.fp8.Float8`; the layers are
-            converted in ``fabric.setup(model)``, and :attr:`fp8_report` says which.
+        **options: keyword-only, as for the Trainer's plugin: ``kernels``, ``fp32_modules``,
+            ``fp32_functions``, ``clip_fused``, ``lr_on_skip``, ``master_weights``, ``keep_fp32``,
+            ``rounding``, ``rounding_seed``, ``guard``, ``fp8``, ``fp32_grad_accumulation``,
+            ``spike_guard``; each is described in :class:`~amp_plugin.run.RunOptions`. Under Fabric,
+            ``lr_on_skip`` acts on schedulers wrapped by :meth:`skip_aware`; ``fp8`` converts the
+            layers in ``fabric.setup(model)`` (:attr:`fp8_report` says which). Two ask for what only
+            the Trainer does: ``clip_fused=True`` (``fabric.clip_gradients`` unscales before it
+            clips) and ``fp32_grad_accumulation=True`` (Fabric does not say how many backward passes
+            a step takes) are refused with a ``ValueError``; ``False`` is what Fabric does anyway.
 
     ``fabric.save(path, {"model": model, "optimizer": optimizer, "amp": precision})`` stores the
     scaler (or guard) state and the rounding generators (Fabric saves what it is handed, and it
@@ -104,55 +87,26 @@ class AMPPrecision(MixedPrecision):
         amp_plugin.fabric.AMPPrecision('16-mixed')
     """
 
-    precision: PrecisionName  # type: ignore[assignment]  # MixedPrecision's Literal has only "-mixed"
-
     def __init__(  # MixedPrecision.__init__ is not called: it takes only "-mixed" and builds a GradScaler
         self,
         precision: PrecisionName = "auto",
         device: str | None = None,
         scaler: LossScaler | torch.amp.GradScaler | None = None,
-        kernels: Backend = "auto",
-        fp32_modules: Sequence[type[nn.Module]] = (),
-        guard: bool = True,
-        master_weights: bool | Literal["remainder"] = False,
-        keep_fp32: Sequence[type[nn.Module]] | None = None,
-        rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
-        rounding_seed: int = 0,
-        lr_on_skip: Literal["hold", "advance"] = "hold",
-        fp8: Recipe | Float8 | None = None,
-        spike_guard: SpikeGuard | None = None,
+        **options: Unpack[RunOptions],
     ) -> None:
-        checks.check_arguments(precision, scaler, "auto", lr_on_skip, guard)
-        self.spike_guard = check_spike_guard("AMPPrecision", spike_guard, guard)
-        keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
-        self.fp8 = check_fp8_request("AMPPrecision", fp8, precision, master_weights)
-        self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
-        self.kernels = check_backend(kernels, "AMPPrecision", "kernels")
-        self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
+        for name, why in _TRAINER_ONLY.items():
+            if options.get(name) is True:
+                fail(
+                    "AMPPrecision",
+                    passed=f"{name}=True",
+                    why=why,
+                    allowed=f"{name}=True with the Trainer's amp_plugin.AMPPrecision only",
+                    hint=f"drop {name}=True: Fabric's plugin takes every other option as the Trainer's does.",
+                )
         fallback = "cuda" if torch.cuda.is_available() else "cpu"
-        device_type, dtype, name = checks.resolve_settings(precision, fallback if device is None else device)
-        if isinstance(scaler, torch.amp.GradScaler):
-            scaler = LossScaler.from_grad_scaler(scaler)
-        if scaler is None and dtype == torch.float16:
-            scaler = LossScaler(kernels=self.kernels)
-        # What Fabric's MixedPrecision sets up (its ThroughputMonitor reads the input dtype).
-        self.precision = name  # type: ignore[assignment]  # resolve_settings returns a precision name
-        self.device, self._scaler = device_type, scaler
-        _compat.set_fabric_input_dtype(self, dtype)  # what Fabric's ThroughputMonitor reads
-        self.requested, self.dtype = precision, dtype
-        self.master_weights, self.rounding, self.lr_on_skip = master_weights, rounding, lr_on_skip
-        self._half = (
-            HalfWeights(master_weights, keep, rounding, rounding_seed)
-            if master_weights or name in ("16-true", "bf16-true")
-            else None
-        )
-        if scaler is None and guard:  # bf16/fp32: nothing to scale, but every step is still checked
-            scaler = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
-        if scaler is not None and self.spike_guard is not None:
-            scaler.spike_guard = self.spike_guard
-        self._driver = StepDriver(
-            scaler, None if self._half is None else self._half.before_step, self.kernels
-        )
+        device = fallback if device is None else device
+        self._run = AMPRun(precision, device, scaler, say=_say, **options)
+        _compat.set_fabric_input_dtype(self, self._run.settings(device)[1])  # ThroughputMonitor reads it
         # Per model set up (a GAN sets up two), removed at teardown.
         self._fp32_hooks: weakref.WeakKeyDictionary[nn.Module, fp32_policy.Fp32Modules] = (
             weakref.WeakKeyDictionary()
@@ -215,8 +169,7 @@ class AMPPrecision(MixedPrecision):
             >>> torch.get_default_dtype()
             torch.float32
         """
-        half = true_dtype(self.precision)
-        return nullcontext() if half is None else default_dtype(half)
+        return self._run.tensor_init_context()
 
     @override
     def module_init_context(self) -> AbstractContextManager[None]:
@@ -237,14 +190,7 @@ class AMPPrecision(MixedPrecision):
             >>> isinstance(AMPPrecision("bf16-mixed", device="cpu").forward_context(), torch.autocast)
             True
         """
-        if self.dtype == torch.float32:
-            autocast = torch.autocast(self.device, enabled=False)
-        else:
-            # cache_enabled=False, as in the Trainer plugin: ``fabric.autocast()`` may span a no_grad
-            # forward and a later one with grad, and a cached weight cast would carry no history.
-            autocast = torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
-        half = true_dtype(self.precision)
-        return autocast if half is None else _both(autocast, default_dtype(half))
+        return self._run.forward_context()
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -261,20 +207,18 @@ class AMPPrecision(MixedPrecision):
         values the model holds (fp32 ones are not rounded).
         """
         self._refuse_second_model(module)
-        if self._half is not None:
-            self._half.convert(module, self.dtype, self.fp32_modules)
+        before = dict(module.named_parameters()) if self.fp8 is not None else {}
+        report = self._run.convert(module, self.device)  # the half weights, or the fp8 layers
         self._module = weakref.ref(module)
         if all(ref() is not module for ref in self._models):
             self._models.append(weakref.ref(module))
-        if self.fp8 is not None:  # before the fp32 hooks: a failed conversion leaves none behind
-            before = dict(module.named_parameters())
-            self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
+        if report is not None:  # before the fp32 hooks: a failed conversion leaves none behind
             # torchao's fp8 all-gather wraps each converted weight in a new Parameter, and the
             # optimizers handed to fabric.setup were built on the old ones: attach re-points them.
             self._replaced.update(
                 (before[n], p) for n, p in module.named_parameters() if n in before and before[n] is not p
             )
-            rank_zero_info(f"AMPPrecision (Fabric): {self.fp8_report}")
+            rank_zero_info(f"AMPPrecision (Fabric): {report}")
         if self.fp32_modules and module not in self._fp32_hooks:
             self._fp32_hooks[module] = fp32_policy.force_fp32(module, self.fp32_modules)
         return module
@@ -323,10 +267,10 @@ class AMPPrecision(MixedPrecision):
             _repoint(opt, self._replaced)
             module = self._model_of(opt)
             if module is not None:
-                weights = "fp32" if self._half is None else "master" if self.master_weights else "half"
+                weights = "fp32" if self._run.half is None else "master" if self.master_weights else "half"
                 grad_scaling = self.scaler is not None
                 checks.check_fit_start(module, [opt], self.device, self.dtype, grad_scaling, weights)
-            elif self._half is not None:
+            elif self._run.half is not None:
                 fail(
                     "AMPPrecision.attach",
                     passed=f"optimizer={type(opt).__name__} before the model was set up",
@@ -335,9 +279,9 @@ class AMPPrecision(MixedPrecision):
                     hint="call precision.attach(optimizer) after fabric.setup.",
                     error=RuntimeError,
                 )
-            if self._half is not None:
+            if self._run.half is not None:
                 self._refuse_early_state(opt)
-                self._half.attach([opt])
+                self._run.half.attach([opt])
             elif self.scaler is None and self.guard is not None and checks.is_lbfgs(opt):
                 rank_zero_warn(checks.LBFGS_UNGUARDED)
             self._attached.add(id(opt))
@@ -375,17 +319,12 @@ class AMPPrecision(MixedPrecision):
             error=RuntimeError,
         )
 
-    @property
-    def masters(self) -> MasterWeights | None:
-        """The fp32 master weights (``master_weights=True``, after ``fabric.setup``), else ``None``."""
-        return self._half.masters if self._half is not None and self.master_weights else None
-
     # -- backward and step -------------------------------------------------------------------------
 
     @override
     def backward(self, tensor: Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
-        self._driver.backward_done()
-        guard = self._driver.scaler  # scales for fp16; a non-finite loss makes the gradients NaN
+        self._run.require_driver().backward_done()
+        guard = self._run.require_driver().scaler  # scales for fp16; a non-finite loss makes grads NaN
         (tensor if guard is None else guard.scale(tensor)).backward(*args, **kwargs)
 
     @override
@@ -397,12 +336,12 @@ class AMPPrecision(MixedPrecision):
         if checks.is_lbfgs(optimizer):
             if self.scaler is not None:
                 raise TypeError(checks.LBFGS_REFUSAL)
-            if self._half is None:  # LBFGS runs its closure itself, several times per step
+            if self._run.half is None:  # LBFGS runs its closure itself, several times per step
                 self.attach(optimizer)
                 return optimizer.step(**kwargs)
         self.attach(optimizer)
         # fabric.clip_gradients (the only thing between backward and step) has unscaled already.
-        return self._driver.step(optimizer, lambda: False, observe_unscaled=False, **kwargs)
+        return self._run.require_driver().step(optimizer, lambda: False, observe_unscaled=False, **kwargs)
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -413,63 +352,13 @@ class AMPPrecision(MixedPrecision):
         gradients move into the fp32 masters first, and the masters' gradients are clipped.
         """
         self.attach(optimizer)
-        if self._half is not None:
-            self._half.before_step(unwrap_optimizer(optimizer))
-        guard = self._driver.scaler
+        if self._run.half is not None:
+            self._run.half.before_step(unwrap_optimizer(optimizer))
+        guard = self._run.require_driver().scaler
         if guard is not None and guard.stage(optimizer) == "ready":
             guard.unscale_(optimizer)
 
     # -- what a Fabric loop reads ------------------------------------------------------------------
-
-    scaler = checks.scaler_property(  # MixedPrecision has a GradScaler attribute here
-        "AMPPrecision",
-        """The fp16 loss scaler (``None`` for the other precisions).
-
-        Assigning one between steps (``precision.scaler = LossScaler(...)``) makes the steps use it:
-        it is also the :attr:`guard`. A ``torch.amp.GradScaler`` is converted, as in the constructor.
-        Refused (``TypeError``/``ValueError``, nothing changed): anything else, a scaler for a
-        precision without loss scaling, ``None`` for fp16.
-
-        Example:
-            >>> plugin = AMPPrecision("16-mixed", device="cpu")
-            >>> plugin.scaler = LossScaler("cpu", init_scale=8.0)
-            >>> plugin.guard is plugin.scaler, plugin.scaler.get_scale()
-            (True, 8.0)
-        """,
-    )
-
-    @property
-    def guard(self) -> LossScaler | None:
-        """The :class:`LossScaler` that checks every step: the fp16 scaler, or a guard that scales nothing.
-
-        ``None`` with ``guard=False``.
-
-        Example:
-            >>> AMPPrecision("bf16-mixed", device="cpu").guard.get_scale()
-            1.0
-        """
-        return self._driver.scaler
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the latest ``optimizer.step()`` was skipped for an inf/NaN loss or gradient.
-
-        Example:
-            >>> AMPPrecision("bf16-mixed", device="cpu").last_step_skipped
-            False
-        """
-        return self._driver.last_step_skipped
-
-    @property
-    def driver(self) -> StepDriver:
-        """The :class:`~amp_plugin.step.StepDriver` of this plugin's steps (which were skipped, and where).
-
-        Example:
-            >>> opt = torch.optim.SGD([nn.Parameter(torch.ones(1))])
-            >>> AMPPrecision("bf16-mixed", device="cpu").driver.known_skip(opt)  # before its first step
-            False
-        """
-        return self._driver
 
     def skip_aware(self, scheduler: Any) -> SkipAwareScheduler:
         """``scheduler`` wrapped to follow ``lr_on_skip`` when the optimizer step it follows was skipped.
@@ -485,7 +374,7 @@ class AMPPrecision(MixedPrecision):
             >>> scheduler.get_last_lr()
             [1.0]
         """
-        return SkipAwareScheduler(scheduler, self._driver, self.lr_on_skip)
+        return SkipAwareScheduler(scheduler, self._run.require_driver(), self.lr_on_skip)
 
     def metrics(self, grad_norm: Tensor | float | None = None) -> dict[str, float]:
         """The ``amp/*`` values as Python floats, ready for ``fabric.log_dict(precision.metrics())``.
@@ -515,9 +404,9 @@ class AMPPrecision(MixedPrecision):
         guard = self.guard
         if guard is None:
             return {} if math.isnan(norm) else {"amp/grad_norm": norm}
-        skipped, total = guard.skipped_steps, guard.total_steps
-        scale = math.nan if self.scaler is None else self.scaler.get_scale()
-        return amp_metrics(self.scaler, scale, skipped, skipped / total if total else 0.0, norm, None)
+        skipped, total, scaler = guard.skipped_steps, guard.total_steps, self._run.scaler
+        scale = math.nan if scaler is None else scaler.get_scale()
+        return amp_metrics(scaler, scale, skipped, skipped / total if total else 0.0, norm, None)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -533,8 +422,8 @@ class AMPPrecision(MixedPrecision):
         guard = self.guard
         if self.scaler is None and guard is not None:  # the guard's skip counts resume too
             state["guard"] = guard.state_dict()
-        if self._half is not None:
-            self._half.on_save({}, state)  # the rounding generators (the masters are in the model's)
+        if self._run.half is not None:
+            self._run.half.on_save({}, state)  # the rounding generators (the masters are in the model's)
         return state
 
     @override
@@ -545,29 +434,43 @@ class AMPPrecision(MixedPrecision):
         in the Trainer: an fp16 scale in a run without a scaler is ignored, and an fp16 run resumed
         from a state without one starts its scale afresh.
         """
+        scaler, half = self._run.scaler, self._run.half
         scaler_state = {k: v for k, v in state_dict.items() if k not in ("guard", "rounding")}
-        guard_state = state_dict.get("guard") if self.scaler is None else None
-        if self.scaler is not None and scaler_state:
-            self.scaler.check_state_dict(scaler_state)
+        guard_state = state_dict.get("guard") if scaler is None else None
+        if scaler is not None and scaler_state:
+            scaler.check_state_dict(scaler_state)
         if isinstance(guard_state, dict) and guard_state and self.guard is not None:
             self.guard.check_state_dict(guard_state)
-        if self._half is not None:
-            self._half.check({}, state_dict)
-        if self.scaler is not None or scaler_state:  # a precision switch warns, as in the Trainer
-            checkpoints.load_scaler_state(self.scaler, scaler_state)
+        if half is not None:
+            half.check({}, state_dict)
+        if scaler is not None or scaler_state:  # a precision switch warns, as in the Trainer
+            checkpoints.load_scaler_state(scaler, scaler_state)
         if isinstance(guard_state, dict) and guard_state and self.guard is not None:
             self.guard.load_state_dict(guard_state)
-        if self._half is not None:
-            self._half.on_load({}, state_dict)
+        if half is not None:
+            half.on_load({}, state_dict)
 
     @override
     def teardown(self) -> None:
         self._attached.clear()
-        if self._half is not None:
-            self._half.detach()
+        if self._run.half is not None:
+            self._run.half.detach()
         for hooks in self._fp32_hooks.values():
             hooks.remove()
         self._fp32_hooks.clear()
+
+
+_TRAINER_ONLY = {  # options that ask for something only the Trainer can do
+    "clip_fused": "fabric.clip_gradients unscales the gradients before it clips them: there is no fused clip",
+    "fp32_grad_accumulation": (
+        "Fabric does not say how many backward passes an optimizer step takes, so micro-batch gradients "
+        "add up in the half .grad"
+    ),
+}
+
+
+def _say(message: str, warn: bool) -> None:
+    (rank_zero_warn if warn else rank_zero_info)(message)
 
 
 def _repoint(opt: Optimizer, replaced: dict[Tensor, Tensor]) -> None:

@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         ),
     ),
     ("step", _in_package("step")),
+    ("run", _in_package("run")),
     ("adapters", _in_package("lightning lightning.* accelerate fabric")),
     # The package's own __init__ re-exports from the layers below (its Lightning names on first use),
     # so only the command line sits above it.

@@ -25,9 +25,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin._validation import check_bool, fail
-from amp_plugin.lightning import _compat, checks
+from amp_plugin.lightning import _compat
 from amp_plugin.lightning.checkpoint import grad_scaler_state
 from amp_plugin.optim import handles_unscaling
+from amp_plugin.run import assigned_scaler, guard_of
 from amp_plugin.scaler import LossScaler
 from amp_plugin.step import StepDriver
 
@@ -87,10 +88,7 @@ class AMPFSDPPrecision(FSDPPrecision):
         if precision == "16-mixed" and scaler is None:
             scaler = LossScaler("cuda")
         _compat.init_fsdp_precision(self, precision, scaler)
-        guard_scaler = scaler
-        if guard_scaler is None and guard:  # nothing to scale; every step is still checked, on every rank
-            guard_scaler = LossScaler(init_scale=1.0, dynamic=False)
-        self._driver = StepDriver(guard_scaler)
+        self._driver = StepDriver(guard_of(scaler, guard))  # every step checked, on every rank
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
@@ -144,16 +142,24 @@ class AMPFSDPPrecision(FSDPPrecision):
         if scaler is not None and (state := grad_scaler_state(scaler)):
             checkpoint[FSDPPrecision.__qualname__] = state
 
-    scaler = checks.scaler_property(  # FSDPPrecision has a ShardedGradScaler attribute here
-        "AMPFSDPPrecision",
+    @property  # type: ignore[override]  # FSDPPrecision has a ShardedGradScaler attribute here
+    def scaler(self) -> LossScaler | None:
         """The ``"16-mixed"`` loss scaler, else ``None``; one assigned between steps is the one the steps use.
 
         Refused (``TypeError``/``ValueError``, nothing changed): anything but a ``LossScaler``, a
         scaler for another precision, ``None`` for ``"16-mixed"``.
-        """,
-        grad_scaler=False,
-        resolved_dtype=False,
-    )
+        """
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: LossScaler | None) -> None:
+        if "_driver" not in self.__dict__:  # FSDPPrecision's __init__ (run by _compat) assigning
+            self._scaler = scaler
+            return
+        new = assigned_scaler("AMPFSDPPrecision", self.precision, None, scaler, grad_scaler=False)
+        old, self._scaler = self._scaler, new
+        if old is not None and self._driver.scaler is old:
+            self._driver.scaler = new  # the steps read the driver's scaler
 
     @property
     def guard(self) -> LossScaler | None:

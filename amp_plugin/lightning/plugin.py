@@ -10,8 +10,8 @@ Lightning internal (``_compat``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
 import torch
@@ -22,33 +22,28 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, r
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
-from amp_plugin._validation import fail
-from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
-from amp_plugin.half_weights import HalfWeights
-from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat, checks
 from amp_plugin.lightning import checkpoint as checkpoints
+from amp_plugin.lightning._run_view import RunView
 from amp_plugin.lightning.opt_levels import opt_level_arguments
-from amp_plugin.master_weights import MasterWeights
 from amp_plugin.precision import Precision as PrecisionName
-from amp_plugin.precision import default_dtype, true_dtype
+from amp_plugin.run import AMPRun, RunOptions
 from amp_plugin.scaler import LossScaler
 from amp_plugin.schedulers import SkipAwareScheduler
-from amp_plugin.spike import SpikeGuard, check_spike_guard
-from amp_plugin.step import StepDriver
 
 __all__ = ["AMPPrecision"]
 
 
-class AMPPrecision(MixedPrecision):
+class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a LossScaler property
     """Mixed precision for ``Trainer(plugins=[AMPPrecision(...)])``.
 
     A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
     ThroughputMonitor and checkpoint code treat it as one), driving a :class:`LossScaler`.
+    Fabric's :class:`amp_plugin.fabric.AMPPrecision` takes the same arguments: both hand them to
+    one :class:`~amp_plugin.run.AMPRun`, which checks them and builds the run.
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
@@ -59,51 +54,16 @@ class AMPPrecision(MixedPrecision):
         device: the autocast device type; ``None`` takes it from the model's device at setup.
         scaler: the :class:`LossScaler` for fp16 (a ``torch.amp.GradScaler`` is converted with its
             settings and state); fp16 gets ``LossScaler()`` by default.
-        kernels: kernel backend for the default scaler and for clipping.
-        fp32_modules: module classes whose forward runs in fp32 with autocast off.
-        fp32_functions: torch functions (``torch.sigmoid``, ``torch.Tensor.softmax``, ``F.gelu``)
-            whose calls in forward passes run in fp32 with autocast off, through
-            :class:`~amp_plugin.fp32_policy.Fp32Functions` (Apex's ``register_float_function``).
-        clip_fused: ``"auto"`` takes the fast clipping path (norm and inf check on the
-            still-scaled gradients, one combined multiply or a fold into a fused optimizer)
-            unless the LightningModule or a callback overrides ``on_before_optimizer_step``
-            or ``configure_gradient_clipping``; ``True`` always takes it (those hooks then see
-            scaled gradients); ``False`` unscales before the hooks, as Lightning does.
-        master_weights: with a "-mixed" precision, hold the model in fp16/bf16 and let the
-            optimizer step fp32 master copies (Apex's O2); checkpoints keep the fp32 values.
-            ``"remainder"`` (with ``"bf16-mixed"``) keeps the same exact fp32 masters as the bf16
-            weights plus an int16 remainder each: 2 bytes per parameter less (see
-            :mod:`amp_plugin.master_weights`).
-        keep_fp32: module classes whose weights stay fp32 when the model is cast; default: the
-            normalization layers with master weights, nothing with "-true" precisions.
-        rounding: how updates are written into "-true" weights: ``"nearest"`` (the optimizer's
-            own arithmetic, as Lightning's "bf16-true"), ``"stochastic"`` (unbiased; small updates
-            survive in expectation) or ``"kahan"`` (a half-precision compensation buffer).
-        rounding_seed: seed of the stochastic rounding (the same on every rank).
-        guard: skip every optimizer step whose loss or gradients hold an inf/NaN, in every
-            precision (parameters, master weights, rounding state and optimizer state stay as
-            they were; the skip is counted and holds the scheduler). fp16 gets this from its
-            loss scaler; the other precisions from :attr:`guard`, which scales nothing and costs
-            one read-only pass over the gradients (none when a norm clip runs). ``False`` turns
-            it off where no loss scaler runs (refused for fp16, whose scaler always checks).
-        lr_on_skip: ``"hold"`` keeps a step-interval LR scheduler still when its optimizer's
-            step was skipped (or not taken: ``training_step`` returned ``None``); ``"advance"``
-            steps it anyway, without PyTorch's misleading order warning. In manual optimization
-            declare the scheduler with ``"interval": "step"`` to have it held.
-        fp8: run the eligible ``nn.Linear`` layers' matmuls in fp8 through torchao (with
-            ``"bf16-mixed"``): a recipe name (``"tensorwise"``, ``"rowwise"``,
-            ``"rowwise_with_gw_hp"``) or a :class:`~amp_plugin.fp8.Float8` (recipe, layer filter);
-            the choice is reported at fit start and kept in :attr:`fp8_report`.
-        fp32_grad_accumulation: with half weights (master weights or "-true") and
-            ``Trainer(accumulate_grad_batches > 1)``, add the micro-batch gradients up in fp32
-            (4 bytes per trainable half parameter, held from the first micro-batch to the step)
-            instead of in the half ``.grad``, whose every addition rounds to 8 (bf16) or 11 (fp16)
-            significant bits; see :mod:`amp_plugin.grad_accumulation`. Single-device strategies
-            only: under DDP and the other strategies it is off, with a warning.
-        spike_guard: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
-            (or, with ``on=("loss", "grad_norm")``, unscaled gradient norm) jumps far above its
-            recent history (counted as a skip; the scale does not back off; kept in checkpoints).
-            It is handed to the :attr:`guard`.
+        **options: keyword-only: ``kernels``, ``fp32_modules``, ``fp32_functions``, ``clip_fused``,
+            ``lr_on_skip``, ``master_weights``, ``keep_fp32``, ``rounding``, ``rounding_seed``,
+            ``guard``, ``fp8``, ``fp32_grad_accumulation``, ``spike_guard``; each is described in
+            :class:`~amp_plugin.run.RunOptions`. Under the Trainer, ``clip_fused="auto"`` takes the
+            fast clipping path unless the LightningModule or a callback overrides
+            ``on_before_optimizer_step`` or ``configure_gradient_clipping``; ``lr_on_skip`` acts on
+            step-interval schedulers (in manual optimization declare them with
+            ``"interval": "step"``); ``fp32_grad_accumulation`` acts where
+            ``Trainer(accumulate_grad_batches > 1)`` runs on one device (under DDP and the other
+            strategies it is off, with a warning).
 
     Example:
         >>> plugin = AMPPrecision("16-mixed", device="cpu")
@@ -111,71 +71,18 @@ class AMPPrecision(MixedPrecision):
         ('16-mixed', torch.float16, 'LossScaler')
     """
 
-    precision: PrecisionName | str  # type: ignore[assignment]  # "auto" until resolved; Lightning's Literal lacks it
-    device: str | None  # type: ignore[assignment]  # None until resolved at setup
-
     def __init__(  # MixedPrecision.__init__ is not called: it would build a torch GradScaler
         self,
         precision: PrecisionName = "auto",
         device: str | None = None,
         scaler: LossScaler | torch.amp.GradScaler | None = None,
-        kernels: Backend = "auto",
-        fp32_modules: Sequence[type[nn.Module]] = (),
-        clip_fused: Literal["auto"] | bool = "auto",
-        lr_on_skip: Literal["hold", "advance"] = "hold",
-        master_weights: bool | Literal["remainder"] = False,
-        keep_fp32: Sequence[type[nn.Module]] | None = None,
-        rounding: Literal["nearest", "stochastic", "kahan"] = "nearest",
-        rounding_seed: int = 0,
-        fp32_functions: Callable[..., Any] | Sequence[Callable[..., Any]] = (),
-        guard: bool = True,
-        fp8: Recipe | Float8 | None = None,
-        fp32_grad_accumulation: bool = True,
-        spike_guard: SpikeGuard | None = None,
+        **options: Unpack[RunOptions],
     ) -> None:
-        checks.check_arguments(precision, scaler, clip_fused, lr_on_skip, guard)
-        self.spike_guard = check_spike_guard("AMPPrecision", spike_guard, guard)
-        if not isinstance(fp32_grad_accumulation, bool):
-            fail(
-                "AMPPrecision",
-                passed=f"fp32_grad_accumulation={fp32_grad_accumulation!r:.60}",
-                allowed="True or False",
-                hint="pass False to add micro-batch gradients up in the half .grad (2 bytes per parameter).",
-                error=TypeError,
-            )
-        self.fp32_grad_accumulation = fp32_grad_accumulation
-        self.fp8 = check_fp8_request("AMPPrecision", fp8, precision, master_weights)
-        self.fp8_report: Float8Report | None = None  # what convert_module ran in fp8
-        keep = checks.check_half_weights(precision, master_weights, keep_fp32, rounding, rounding_seed)
-        self.kernels = check_backend(kernels, "AMPPrecision", "kernels")
-        self.fp32_modules = fp32_policy.check_module_classes(fp32_modules, "AMPPrecision", "fp32_modules")
-        self.fp32_functions = fp32_policy.check_functions(fp32_functions, "AMPPrecision", "fp32_functions")
-        # Built once (it checks the functions and probes the autocast device types); entered per forward.
-        self._fp32_mode = fp32_policy.Fp32Functions(self.fp32_functions) if self.fp32_functions else None
-        self.clip_fused = clip_fused
-        self.lr_on_skip = lr_on_skip
-        self.master_weights = master_weights
-        self.rounding = rounding
-        self.requested = precision
-        self._half: HalfWeights | None = (
-            HalfWeights(master_weights, keep, rounding, rounding_seed)
-            if master_weights or precision in ("16-true", "bf16-true")
-            else None
-        )
-        self._scaler = (
-            LossScaler.from_grad_scaler(scaler) if isinstance(scaler, torch.amp.GradScaler) else scaler
-        )
-        self.device = None
-        self.dtype: torch.dtype | None = None
-        self.precision = precision  # "auto" until resolved at setup
+        self._run = AMPRun(precision, device, scaler, say=_say, **options)
         self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
-        self._fast_clip = clip_fused is True
+        self._fast_clip = self._run.clip_fused is True
         self._want_grad_norm = self._norm_clipped = self._no_clip = False
-        self._guard = guard
-        self._driver: StepDriver | None = None  # built when the precision is resolved
-        if device is not None:
-            self._resolve(device)
 
     def __repr__(self) -> str:
         # Lightning names a plugin it refuses ("Received both `precision=...` and `plugins=...`") by str().
@@ -200,29 +107,6 @@ class AMPPrecision(MixedPrecision):
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    def _resolve(self, device: object) -> tuple[str, torch.dtype]:
-        device_type, dtype, self.precision = checks.resolve_settings(self.requested, device)
-        # A scaler comes only with "16-mixed" (check_arguments), which always resolves to fp16.
-        if self._scaler is None and dtype == torch.float16:
-            self._scaler = LossScaler(kernels=self.kernels)
-        guard = self.scaler
-        if guard is None and self._guard:  # nothing to scale: a guard that only checks and skips
-            guard = LossScaler(init_scale=1.0, dynamic=False, kernels=self.kernels)
-        if guard is not None and self.spike_guard is not None:
-            guard.spike_guard = self.spike_guard
-        if self._driver is None or self._driver.scaler is not guard:
-            self._driver = StepDriver(
-                guard, None if self._half is None else self._half.before_step, self.kernels
-            )
-        self.device, self.dtype = device_type, dtype
-        return device_type, dtype
-
-    def _settings(self, fallback_device: object) -> tuple[str, torch.dtype]:
-        """The autocast device type and dtype; resolved from ``fallback_device`` if not yet."""
-        if self.device is None or self.dtype is None:
-            return self._resolve(fallback_device)
-        return self.device, self.dtype
-
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast the model's weights to fp16/bf16 for master weights or a "-true" precision.
@@ -232,18 +116,15 @@ class AMPPrecision(MixedPrecision):
         """
         if _compat.called_by_fabric():  # Fabric's setup: the wrong one of the two AMPPrecision classes
             raise TypeError(_IN_FABRIC.format(self=self))
-        if self._half is not None:
-            trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
-            device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
-            self._half.convert(module, self._settings(device)[1], self.fp32_modules)
-        if self.fp8 is not None:
-            self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
+        trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
+        device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
+        self._run.convert(module, device)
         return module
 
     @override
     def convert_input(self, data: Any) -> Any:
         """With half weights, floating-point inputs take the weights' dtype (as in Lightning's "-true")."""
-        if self._half is None or self.dtype is None:
+        if self._run.half is None or self.dtype is None:
             return data
         return apply_to_collection(data, Tensor, _to_dtype, self.dtype)
 
@@ -251,7 +132,8 @@ class AMPPrecision(MixedPrecision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        device, dtype = self._settings(checks.module_device(model))
+        run = self._run
+        device, dtype = run.settings(checks.module_device(model))
         module = checks.lightning_module(model)  # strategies hand over their wrapper (DDP, ...)
         checks.check_fit_start(
             module,
@@ -259,13 +141,13 @@ class AMPPrecision(MixedPrecision):
             device,
             dtype,
             grad_scaling=self.scaler is not None,
-            weights="fp32" if self._half is None else "master" if self.master_weights else "half",
+            weights="fp32" if run.half is None else "master" if self.master_weights else "half",
         )
-        if self._half is not None:
-            self._half.attach(optimizers)
-            self._half.accumulate_in_fp32(self._accumulates_in_fp32(model, module))
+        if run.half is not None:
+            run.half.attach(optimizers)
+            run.half.accumulate_in_fp32(self._accumulates_in_fp32(model, module))
         lbfgs = any(map(checks.is_lbfgs, optimizers))
-        if lbfgs and self.scaler is None and self._half is None and self._guard:
+        if lbfgs and self.scaler is None and run.half is None and run.guard_on:
             rank_zero_warn(checks.LBFGS_UNGUARDED)
         if self.fp8_report is not None:
             rank_zero_info(f"AMPPrecision: {self.fp8_report}")
@@ -280,7 +162,7 @@ class AMPPrecision(MixedPrecision):
                 config.scheduler, SkipAwareScheduler
             ):
                 config.scheduler = SkipAwareScheduler(
-                    config.scheduler, self._require_driver(), self.lr_on_skip
+                    config.scheduler, run.require_driver(), self.lr_on_skip
                 )
         return model, optimizers, lr_schedulers
 
@@ -298,8 +180,8 @@ class AMPPrecision(MixedPrecision):
 
     @override
     def teardown(self) -> None:
-        if self._half is not None:
-            self._half.detach()
+        if self._run.half is not None:
+            self._run.half.detach()
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None
@@ -309,36 +191,24 @@ class AMPPrecision(MixedPrecision):
     @override
     def autocast_context_manager(self) -> torch.autocast:
         """The autocast context for forward passes (the weight-cast cache off, as in Lightning)."""
-        device, dtype = self._settings("cuda" if torch.cuda.is_available() else "cpu")
-        if dtype == torch.float32:  # "32-true"
-            return torch.autocast(device, enabled=False)
-        # cache_enabled=False: a weight cast cached under no_grad would carry no autograd history
-        # into a later forward with grad in the same autocast region.
-        return torch.autocast(device, dtype=dtype, cache_enabled=False)
+        return self._run.autocast()
 
     @override
     def tensor_init_context(self) -> AbstractContextManager[Any]:
         """With "-true", tensors and layers are created in the half dtype (Lightning's ``HalfPrecision``)."""
-        dtype = true_dtype(self.requested)
-        return nullcontext() if dtype is None else default_dtype(dtype)
+        return self._run.tensor_init_context()
 
     @override
     def module_init_context(self) -> AbstractContextManager[Any]:
-        return self.tensor_init_context()
+        return self._run.tensor_init_context()
 
     @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
+    def forward_context(self) -> AbstractContextManager[Any]:  # type: ignore[override]
         """Autocast for every step (training, validation, test, predict); inside it, the fp32 functions.
 
         With "-true", tensors created in the step take the half dtype too.
         """
-        with ExitStack() as stack:
-            stack.enter_context(self.autocast_context_manager())
-            stack.enter_context(self.tensor_init_context())
-            if self._fp32_mode is not None and self.dtype != torch.float32:
-                stack.enter_context(self._fp32_mode)
-            yield
+        return self._run.forward_context()
 
     @override
     @contextmanager
@@ -349,8 +219,8 @@ class AMPPrecision(MixedPrecision):
         with self.forward_context():
             yield
         # Manual optimization: one update per training batch, after every optimizer's step.
-        if self._driver is not None:
-            self._driver.end_batch()
+        if self._run.driver is not None:
+            self._run.driver.end_batch()
 
     # -- backward and step ----------------------------------------------------------------------
 
@@ -358,14 +228,14 @@ class AMPPrecision(MixedPrecision):
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # The hooks get the loss as the user computed it; only backward sees the scaled one.
         _compat.before_backward_hooks(self, tensor, module)
-        guard = self._require_driver().scaler
+        guard = self._run.require_driver().scaler
         return tensor if guard is None else guard.scale(tensor)
 
     @override
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
-        self._require_driver().backward_done()
+        self._run.require_driver().backward_done()
         # torch runs backward best with autocast off; manual_backward sits inside training_step's region
         # (automatic optimization calls backward outside it, where there is nothing to turn off).
         device = self.device or "cpu"
@@ -379,14 +249,14 @@ class AMPPrecision(MixedPrecision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        driver = self._require_driver()
-        if self.scaler is None and self._half is None and checks.is_lbfgs(optimizer):
+        driver, half = self._run.require_driver(), self._run.half
+        if self.scaler is None and half is None and checks.is_lbfgs(optimizer):
             # LBFGS runs its closure itself, several times per step (Lightning's Precision path).
             return super(MixedPrecision, self).optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()  # the half gradients must exist before the masters take them
         if closure_result is None and model.automatic_optimization:
-            if self._half is not None:  # the hooks and the next zero_grad see the sums, as without it
-                self._half.flush_gradients(optimizer)
+            if half is not None:  # the hooks and the next zero_grad see the sums, as without it
+                half.flush_gradients(optimizer)
             self._no_clip = True
             try:
                 driver.not_stepped(optimizer, lambda: self._observe_gradients(model, optimizer))
@@ -408,23 +278,12 @@ class AMPPrecision(MixedPrecision):
         self._observe_gradients(model, optimizer)
         return self._norm_clipped
 
-    def _require_driver(self) -> StepDriver:
-        if self._driver is None:
-            self._resolve("cuda" if torch.cuda.is_available() else "cpu")
-        assert self._driver is not None  # set by _resolve
-        return self._driver
-
     def _observe_gradients(self, model: LightningModule, optimizer: Any) -> None:
         """Between backward and step: the ``on_before_optimizer_step`` hooks, then clipping, then the norm."""
         _compat.after_closure(self, model, optimizer)  # Lightning's own order of the two
         if self._want_grad_norm and self.last_grad_norm is None:
-            self.last_grad_norm = self._require_driver().grad_norm(optimizer)
+            self.last_grad_norm = self._run.require_driver().grad_norm(optimizer)
         self._want_grad_norm = False
-
-    @property
-    def masters(self) -> MasterWeights | None:
-        """The fp32 master weights (``master_weights=True``, after the model was converted), else ``None``."""
-        return self._half.masters if self._half is not None and self.master_weights else None
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -436,11 +295,11 @@ class AMPPrecision(MixedPrecision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoints.save_entry(checkpoint, str(self.precision), self.scaler, self.guard, self._half)
+        checkpoints.save_entry(checkpoint, str(self.precision), self.scaler, self.guard, self._run.half)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoints.load_entry(checkpoint, self.scaler, self.guard, self._half)
+        checkpoints.load_entry(checkpoint, self.scaler, self.guard, self._run.half)
 
     def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Raise ``ValueError`` if the checkpoint's plugin state would not load; change nothing.
@@ -459,7 +318,7 @@ class AMPPrecision(MixedPrecision):
             ...
             ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
         """
-        checkpoints.check_entry(checkpoint, self.scaler, self.guard, self._half)
+        checkpoints.check_entry(checkpoint, self.scaler, self.guard, self._run.half)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -493,55 +352,13 @@ class AMPPrecision(MixedPrecision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self._norm_clipped = True
-        self.last_grad_norm = self._require_driver().clip_grad_norm_(optimizer, float(clip_val))
+        self.last_grad_norm = self._run.require_driver().clip_grad_norm_(optimizer, float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
-            self.last_grad_norm = self._require_driver().grad_norm(optimizer)
-        self._require_driver().clip_grad_value_(optimizer, float(clip_val))
-
-    scaler = checks.scaler_property(  # MixedPrecision has a GradScaler attribute here
-        "AMPPrecision",
-        """The fp16 loss scaler (``None`` for the other precisions, and for ``"auto"`` until resolved).
-
-        Assigning one between steps (``precision.scaler = LossScaler(...)``) makes the steps use it:
-        it is also the :attr:`guard`. A ``torch.amp.GradScaler`` is converted, as in the constructor.
-        Refused (``TypeError``/``ValueError``, nothing changed): anything else, a scaler for a
-        precision without loss scaling, ``None`` for fp16.
-
-        Example:
-            >>> plugin = AMPPrecision("16-mixed", device="cpu")
-            >>> plugin.scaler = LossScaler("cpu", init_scale=8.0)
-            >>> plugin.guard is plugin.scaler, plugin.scaler.get_scale()
-            (True, 8.0)
-        """,
-    )
-
-    @property
-    def guard(self) -> LossScaler | None:
-        """The :class:`LossScaler` that checks every step and skips non-finite ones.
-
-        The fp16 loss scaler itself (``scaler``), or for bf16, fp32 and the "-true" precisions
-        a guard that scales nothing (a static scale of 1) and checks the gradients read-only.
-        ``None`` with ``guard=False``, or until the precision is resolved at setup.
-        """
-        return None if self._driver is None else self._driver.scaler
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the latest optimizer step was skipped (``False`` before the first).
-
-        Right after ``opt.step()`` in manual optimization it describes that step; after the
-        batch's scale update, whether any step of the batch was skipped.
-        """
-        return self._driver is not None and self._driver.last_step_skipped
-
-    @property
-    def driver(self) -> StepDriver | None:
-        """The :class:`~amp_plugin.step.StepDriver` of this plugin's steps (which were skipped, per
-        optimizer and per batch); ``None`` until the precision is resolved at setup."""
-        return self._driver
+            self.last_grad_norm = self._run.require_driver().grad_norm(optimizer)
+        self._run.require_driver().clip_grad_value_(optimizer, float(clip_val))
 
 
 _NO_FP32_ACCUMULATION = (
@@ -550,6 +367,10 @@ _NO_FP32_ACCUMULATION = (
     "HINT: pass AMPPrecision(fp32_grad_accumulation=False) to silence this, or use fewer, larger "
     "micro-batches."
 )
+
+def _say(message: str, warn: bool) -> None:
+    (rank_zero_warn if warn else rank_zero_info)(message)
+
 
 _IN_FABRIC = (
     "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed here: that is the "

@@ -289,7 +289,8 @@ def test_opt_levels_follow_apex(
 def test_opt_level_overrides_use_apex_keywords() -> None:
     plugin = AMPPrecision.from_opt_level("O2", loss_scale=128.0, keep_batchnorm_fp32=False, device="cpu")
     assert plugin.scaler is not None and plugin.scaler.get_scale() == 128.0
-    assert plugin._half is not None and plugin._half.keep_fp32 == ()
+    model = plugin.convert_module(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    assert model[1].weight.dtype == torch.float16  # keep_batchnorm_fp32=False: the norm is cast too
     plugin = AMPPrecision.from_opt_level("O1", min_loss_scale=1.0, max_loss_scale=2.0**20)
     assert plugin.scaler is not None and plugin.scaler.state_dict()["max_scale"] == 2.0**20
     bf16 = AMPPrecision.from_opt_level("O3", cast_model_type=torch.bfloat16, rounding="stochastic")

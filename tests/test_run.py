@@ -1,0 +1,115 @@
+"""One signature for every adapter: the Trainer's and Fabric's ``AMPPrecision`` take the same arguments.
+
+Both hand them to one :class:`amp_plugin.run.AMPRun`, so an option one plugin takes the other takes
+too, checked the same way, with the same meaning.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from amp_plugin import AMPPrecision, LossScaler
+from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+from amp_plugin.run import DEFAULTS, AMPRun, RunOptions
+
+PLUGINS = [AMPPrecision, FabricAMPPrecision]
+
+
+def _parameters(cls: type) -> list[tuple[str, str]]:
+    return [(p.name, p.kind.name) for p in inspect.signature(cls).parameters.values()]
+
+
+def test_both_plugins_have_one_signature_precision_device_scaler_then_keywords() -> None:
+    expected = [
+        ("precision", "POSITIONAL_OR_KEYWORD"),
+        ("device", "POSITIONAL_OR_KEYWORD"),
+        ("scaler", "POSITIONAL_OR_KEYWORD"),
+        ("options", "VAR_KEYWORD"),
+    ]
+    assert _parameters(AMPPrecision) == _parameters(FabricAMPPrecision) == expected
+    assert sorted(RunOptions.__annotations__) == sorted(DEFAULTS)  # the keywords, defined once
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_every_keyword_is_taken_by_both_plugins(plugin: type) -> None:
+    """Each option, passed with its default, builds either plugin (Fabric: what Fabric can do)."""
+    for name, default in DEFAULTS.items():
+        value = False if plugin is FabricAMPPrecision and default is True and name != "guard" else default
+        built = plugin("bf16-mixed", device="cpu", **{name: value})
+        assert built.precision == "bf16-mixed", name
+
+
+@pytest.mark.parametrize("name", ["clip_fused", "fp32_grad_accumulation"])
+def test_fabric_refuses_what_only_the_trainer_can_do_rather_than_ignore_it(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"AMPPrecision\({name}=True\).*Trainer's.*HINT: drop {name}=True"):
+        FabricAMPPrecision("bf16-true", device="cpu", **{name: True})
+    assert getattr(FabricAMPPrecision("bf16-true", device="cpu", **{name: False}), name) is False
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_an_unknown_keyword_names_the_one_meant(plugin: type) -> None:
+    with pytest.raises(TypeError, match=r"master_weight=True.*HINT: did you mean master_weights="):
+        plugin("bf16-mixed", device="cpu", master_weight=True)
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_options_after_scaler_are_keyword_only(plugin: type) -> None:
+    """A fourth positional argument meant different things in the two plugins; now it is refused."""
+    with pytest.raises(TypeError):
+        plugin("16-mixed", "cpu", None, "torch")
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_a_bad_option_is_refused_the_same_way_by_both(plugin: type) -> None:
+    with pytest.raises(ValueError, match=r"AMPPrecision\(precision='bf16-true', master_weights=True\).*HINT"):
+        plugin("bf16-true", device="cpu", master_weights=True)
+    with pytest.raises(TypeError, match=r"fp32_grad_accumulation.*HINT"):
+        plugin("bf16-true", device="cpu", fp32_grad_accumulation="yes")
+
+
+def test_fabric_runs_the_fp32_functions_in_its_forward_context() -> None:
+    """``fp32_functions`` was the Trainer's only; Fabric's forward passes now honour it too."""
+    plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp32_functions=[torch.sigmoid])
+    x = torch.randn(4, 4)
+    with plugin.forward_context():
+        assert torch.mm(x, x).dtype == torch.bfloat16  # autocast is on
+        assert torch.sigmoid(x.bfloat16()).dtype == torch.float32  # the function runs in fp32
+    assert plugin.fp32_functions == (torch.sigmoid,)
+
+
+def test_the_run_builds_the_guard_once_and_both_plugins_show_it() -> None:
+    for plugin in (AMPPrecision("bf16-true", device="cpu"), FabricAMPPrecision("bf16-true", device="cpu")):
+        guard = plugin.guard
+        assert guard is not None and guard.get_scale() == 1.0 and plugin.scaler is None
+        assert plugin.driver is not None and plugin.driver.scaler is guard
+
+
+def test_an_assigned_scaler_reaches_the_steps_in_both_plugins() -> None:
+    for plugin in (AMPPrecision("16-mixed", device="cpu"), FabricAMPPrecision("16-mixed", device="cpu")):
+        new = LossScaler("cpu", init_scale=8.0)
+        plugin.scaler = new
+        assert plugin.scaler is new and plugin.guard is new and plugin.driver.scaler is new
+        with pytest.raises(ValueError, match="HINT"):
+            plugin.scaler = None
+        assert plugin.scaler is new  # nothing changed
+
+
+def test_the_run_is_plain_torch_and_resolves_auto_when_asked() -> None:
+    said: list[tuple[str, bool]] = []
+    run = AMPRun("auto", say=lambda message, warn: said.append((message, warn)))
+    assert run.precision == "auto" and run.guard is None  # not resolved yet
+    assert run.resolve("cpu") == ("cpu", torch.bfloat16)
+    assert run.precision == "bf16-mixed" and run.guard is not None
+    assert said[0] == ("AMPPrecision('auto') chose bf16-mixed: bf16: CPU autocast supports bf16", False)
+
+
+def test_the_run_converts_a_model_for_master_weights() -> None:
+    run = AMPRun("bf16-mixed", "cpu", master_weights=True)
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    assert run.convert(model, "cpu") is None  # no fp8 report without fp8
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+    assert run.masters is not None and run.masters.master_of(model[0].weight) is not None
