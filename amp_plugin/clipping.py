@@ -105,20 +105,23 @@ def nonfinite(grads: Sequence[Tensor], one: Tensor) -> Tensor:
 
 
 def nonfinite_and_norm(
-    grads: Sequence[Tensor], one: Tensor, total: bool = True
+    grads: Sequence[Tensor], one: Tensor, total: bool = True, found_inf: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`nonfinite`, and the total 2-norm of ``grads`` from the same per-tensor norms (no more reads).
 
     The total costs two launches over the per-tensor norms (a stack and a norm), none over the
     gradients. ``total=False`` skips it (``None``). The norm is of the gradients as they are in
-    memory (still scaled, where they are) and next to ``one``.
+    memory (still scaled, where they are) and next to ``one``. An existing flag ``found_inf``
+    (next to ``one``) is set in place where ``grads`` hold an inf/NaN, and returned: a later check
+    folded into an earlier one without a launch of its own.
 
     Example:
         >>> found_inf, norm = nonfinite_and_norm([torch.tensor([3.0]), torch.tensor([4.0])], torch.ones(()))
         >>> found_inf.item(), norm.item()
         (0.0, 5.0)
     """
-    found_inf = torch.zeros((), dtype=torch.float32, device=one.device)
+    if found_inf is None:
+        found_inf = torch.zeros((), dtype=torch.float32, device=one.device)
     total_norm: Tensor | None = None
     with torch.no_grad():
         norms = [

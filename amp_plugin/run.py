@@ -318,7 +318,9 @@ class AMPRun:
 
     def autocast(self) -> torch.autocast:
         """The autocast region of a forward pass (off under ``"32-true"``; the weight-cast cache off)."""
-        device, dtype = self.settings("cuda" if torch.cuda.is_available() else "cpu")
+        device, dtype = self.device, self.dtype
+        if device is None or dtype is None:
+            device, dtype = self.resolve("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == torch.float32:
             return torch.autocast(device, enabled=False)
         # cache_enabled=False: a weight cast cached under no_grad would carry no autograd history

@@ -313,11 +313,20 @@ class LossScaler:
         if self.spike_guard is not None:
             self.spike_guard.observe(loss)
         if self._guard_only:  # a scale of 1 scales nothing: the loss keeps its dtype and values
-            return _ScaledLoss.apply(loss, None) if loss.requires_grad else loss
+            return _ScaledLoss.apply(loss) if loss.requires_grad else loss
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
         factor = scale.to(device=loss.device, dtype=loss.dtype, non_blocking=True)
-        return _ScaledLoss.apply(loss, factor) if loss.requires_grad else loss * factor
+        if not loss.requires_grad:
+            return loss * factor
+        # A non-finite loss can have finite gradients (a NaN from a term no parameter is in), and its
+        # step must be skipped all the same: backward multiplies by factor + 0 * loss, the factor
+        # itself (bit for bit torch's GradScaler's gradients) for a finite loss, NaN for an inf/NaN
+        # one, which the step's inf check then finds. Three launches in all, as a Python
+        # autograd.Function took, in C++: no Python runs in forward or backward.
+        with torch.no_grad():
+            backward_factor = torch.add(factor, loss, alpha=0)
+        return loss * backward_factor
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.
@@ -632,7 +641,13 @@ class LossScaler:
             raise RuntimeError(
                 "recheck_() was called after step() on this optimizer. HINT: recheck before step()."
             )
-        state.merge_inf(self._nonfinite(gradients_to_unscale(opt), state.grad_scale), agreed=False)
+        grads, flag = gradients_to_unscale(opt), state.found_inf
+        if flag.device != self._require_scale("recheck_").device or flag.dtype != torch.float32:
+            state.merge_inf(self._nonfinite(grads, state.grad_scale), agreed=False)
+            return
+        # Set in the step's own flag (two launches fewer than a new flag and a maximum of the two).
+        self._nonfinite(grads, state.grad_scale, into=flag)
+        state.synced = False  # this rank's view changed: agree across ranks again before the step
 
     # -- what happened this iteration ------------------------------------------------------
 
@@ -771,7 +786,7 @@ class LossScaler:
             self._kernels = ShardAwareKernels(kernels)  # DTensor gradients: local shards, global norms
         return self._kernels
 
-    def _nonfinite(self, grads: list[Tensor], carried: Tensor | None) -> Tensor:
+    def _nonfinite(self, grads: list[Tensor], carried: Tensor | None, into: Tensor | None = None) -> Tensor:
         """This rank's inf flag of ``grads`` (one read, three launches), next to the scale.
 
         Where the spike guard wants this iteration's gradient norm, the same per-tensor norms give
@@ -782,7 +797,7 @@ class LossScaler:
             self._one = torch.ones((), dtype=torch.float32, device=scale.device)
         spike = self.spike_guard
         want = spike is not None and spike.wants_grad_norm
-        found_inf, norm = clipping.nonfinite_and_norm(local_shards(grads), self._one, total=want)
+        found_inf, norm = clipping.nonfinite_and_norm(local_shards(grads), self._one, want, into)
         if spike is not None and norm is not None:
             spike.observe_grad_norm(norm if carried is None else norm / carried.to(norm))
         return found_inf
@@ -868,27 +883,24 @@ class LossScaler:
 
 
 class _ScaledLoss(torch.autograd.Function):
-    """``loss * factor`` (a view of ``loss`` for ``factor=None``), whose backward is NaN for an inf/NaN loss.
+    """A guard's "scaled" loss: a view of ``loss`` whose backward is NaN for an inf/NaN loss.
 
     A non-finite loss can have finite gradients (a NaN from a term no parameter is in), and its
-    step must be skipped all the same. So backward sends on ``grad * (factor + 0 * loss)`` (for a
-    guard ``grad + 0 * loss``): for a finite loss ``grad * factor`` bit for bit, as torch's
-    GradScaler has it, and NaN otherwise, which the step's inf check then finds. One launch
-    forward and two backward (none and one for a guard), where the product
-    ``loss * (factor + 0 * loss)`` took three and one. Differentiable again (``create_graph``).
+    step must be skipped all the same. So backward sends on ``grad + 0 * loss``: ``grad`` itself
+    for a finite loss, NaN otherwise, which the guard's check then finds. No launch forward (a
+    view) and one backward, where the C++ product a loss scaler uses (see ``_scale_tensor``)
+    takes three. Differentiable again (``create_graph``).
     """
 
     @staticmethod
-    def forward(ctx: Any, loss: Tensor, factor: Tensor | None) -> Tensor:
-        ctx.save_for_backward(loss, factor)
-        return loss.view_as(loss) if factor is None else loss * factor
+    def forward(ctx: Any, loss: Tensor) -> Tensor:
+        ctx.save_for_backward(loss)
+        return loss.view_as(loss)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        loss, factor = ctx.saved_tensors
-        if factor is None:
-            return torch.add(grad, loss, alpha=0), None
-        return grad * torch.add(factor, loss, alpha=0), None
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (loss,) = ctx.saved_tensors
+        return torch.add(grad, loss, alpha=0)
 
 
 def _fused(opt: Any) -> bool:

@@ -192,6 +192,27 @@ def _monitor_overhead(p: dict[str, Any]) -> Summary:
     return Summary([Table(["configuration", "steps/s", "slowdown", "hook us/step"], rows, note)], bars)
 
 
+def _grad_accumulation(p: dict[str, Any]) -> Summary:
+    names = list(p["ms_per_step"])
+    ratio, final = p["cost_ratio"], p["final_loss"]
+    rows = [
+        [n, f"{p['ms_per_step'][n]:.1f}",
+         _x(ratio[n.partition(" / ")[0]]) if n.endswith("fp32 sums") else "-", f"{final[n]:.4f}"]
+        for n in names
+    ]  # fmt: skip
+    target = p["target_ratio"]
+    bars = Bars(
+        "fp32 gradient accumulation: cost", "time per step, fp32 sums / half .grad",
+        list(ratio), list(ratio.values()), target, f"target {target}",
+    )  # fmt: skip
+    note = (
+        "ms/step: median optimizer step (of --accumulate micro-batches) over the timed steps of every fit "
+        "of that set-up (fits interleaved); fp32 sums / half: the ratio of the two ms/step of the same "
+        "weights; loss: the mean training loss of the last quarter of the first fit's steps."
+    )
+    return Summary([Table(["set-up", "ms/step", "fp32 sums / half", "final loss"], rows, note)], bars)
+
+
 def _flag_floor(p: dict[str, Any], base_ms: float) -> list[str]:
     us = p["flag_all_reduce_us"]
     return [
@@ -541,6 +562,7 @@ SUMMARIES: dict[str, Callable[[dict[str, Any]], Summary]] = {
     "compile_speed": _compile_speed,
     "fabric_speed": _fabric_speed,
     "fp8": _fp8,
+    "grad_accumulation": _grad_accumulation,
 }
 
 

@@ -50,6 +50,7 @@ QUICK_ARGS: dict[str, str] = {
     "compile_speed.py": "--quick --setups bf16 fp16",
     "fabric_speed.py": "--quick --models tiny --rounds 1 --steps 2",
     "fp8.py": "--quick",
+    "grad_accumulation.py": "--quick",
 }
 # Sizes for about ten minutes on a busy 2-core machine.
 SMALL_ARGS: dict[str, str] = {
@@ -64,6 +65,7 @@ SMALL_ARGS: dict[str, str] = {
     "compile_speed.py": "--rounds 3",
     "fabric_speed.py": "--rounds 11",
     "fp8.py": "--dim 64 --steps 16",  # torch._scaled_mm on some CPUs (an Intel Xeon): ~45 ms a small matmul
+    "grad_accumulation.py": "--steps 40 --repeats 3",
 }
 
 

@@ -358,3 +358,20 @@ def test_the_short_path_of_update_changes_nothing(settings: dict[str, Any]) -> N
         return states
 
     assert run(known=True) == run(known=False)
+
+
+def test_a_scaled_loss_backpropagates_in_torch_alone_and_poisons_a_non_finite_loss() -> None:
+    """The scaled loss is a plain product (C++ autograd, no Python per backward, as GradScaler's),
+    its gradients are GradScaler's bit for bit, and an inf/NaN loss still makes them NaN (its step
+    must be skipped even where no parameter sees the non-finite term)."""
+    w = nn.Parameter(torch.tensor([1.5, -2.0]))
+    ours, theirs = LossScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaled = ours.scale((w * 3.0).sum())
+    assert type(scaled.grad_fn).__name__ == "MulBackward0"
+    scaled.backward()
+    mine, w.grad = w.grad, None
+    theirs.scale((w * 3.0).sum()).backward()
+    assert torch.equal(mine, w.grad)
+    w.grad = None
+    ours.scale((w * 3.0).sum() + torch.tensor(float("inf"))).backward()
+    assert w.grad is not None and w.grad.isnan().all()
