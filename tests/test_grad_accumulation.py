@@ -90,3 +90,38 @@ def test_half_weights_flush_only_the_stepped_optimizers_parameters() -> None:
     weights.detach()  # turns accumulation off: gradients add up in .grad again
     model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
     assert model[0].weight.grad is not None
+
+
+def test_a_backward_that_failed_half_way_leaves_the_accumulation_working() -> None:
+    """After a backward that raised half-way (and the zero_grad that follows), the next micro-batches
+    add up in fp32 as before."""
+    w1, w2 = (nn.Parameter(torch.ones(2, dtype=torch.bfloat16)) for _ in range(2))
+    acc = Fp32GradAccumulation([w1, w2])
+    x = torch.ones(2, dtype=torch.bfloat16)
+
+    def fail(grad: Tensor) -> Tensor:
+        raise RuntimeError("a hook that fails")
+
+    broken = (w2 * x).sum()
+    broken.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook that fails"):
+        ((w1 * x).sum() + broken).backward()
+    w1.grad = w2.grad = None  # what zero_grad does after a failed step
+    acc.clear()
+    for _ in range(3):
+        ((w1 * x).sum() + (w2 * 2 * x).sum()).backward()
+    assert w1.grad is None and w2.grad is None and acc.pending() == 2
+    acc.flush_([(w1, w1), (w2, w2)])
+    assert w1.grad.tolist() == [3.0, 3.0] and w2.grad.tolist() == [6.0, 6.0]
+    acc.remove()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_backward_with_create_graph_keeps_the_sums_out_of_autograd() -> None:
+    w = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    acc = Fp32GradAccumulation([w])
+    for _ in range(2):
+        (w * w).sum().backward(create_graph=True)
+    acc.flush_([(w, w)])
+    assert w.grad is not None and not w.grad.requires_grad and w.grad.tolist() == [4.0, 4.0]
+    acc.remove()
