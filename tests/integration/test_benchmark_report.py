@@ -160,6 +160,14 @@ CANNED: dict[str, dict[str, Any]] = {
         "hook_us_per_step": {"no monitor": 0.0, "monitor": 86.0},
         "target_slowdown": 1.02,
     },
+    "grad_accumulation": {
+        "ms_per_step": {"bf16-true / fp32 sums": 351.6, "bf16-true / half .grad": 340.6,
+                        "O2 bf16 / fp32 sums": 352.9, "O2 bf16 / half .grad": 332.3, "fp32": 122.5},
+        "cost_ratio": {"bf16-true": 351.6 / 340.6, "O2 bf16": 352.9 / 332.3},
+        "target_ratio": 1.02,
+        "final_loss": {"bf16-true / fp32 sums": 0.3875, "bf16-true / half .grad": 0.3875,
+                       "O2 bf16 / fp32 sums": 0.3673, "O2 bf16 / half .grad": 0.3675, "fp32": 0.3673},
+    },
     "ddp_overhead": {
         "params": 4_201_424, "ms_per_step": {"sync off": 273.83, "sync on": 296.05},
         "ratio_on_vs_off": 1.026, "ratio_quartiles": [1.005, 1.16], "flag_all_reduce_us": 286.0,
