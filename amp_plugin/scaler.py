@@ -526,15 +526,7 @@ class LossScaler:
         norm_type = _scaler_rules.check_norm_type(call, norm_type)
         error_if_nonfinite = check_bool(call, "error_if_nonfinite", error_if_nonfinite)
         sharded = check_bool(call, "sharded", sharded)
-        return self._clip_grad_norm(
-            unwrap_optimizer(optimizer), max_norm, norm_type, error_if_nonfinite, sharded
-        )
-
-    def _clip_grad_norm(
-        self, opt: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool, sharded: bool
-    ) -> Tensor:
-        """:meth:`clip_grad_norm_` on an unwrapped optimizer with checked arguments (the step driver's)."""
-        call = "LossScaler.clip_grad_norm_"
+        opt = unwrap_optimizer(optimizer)
         grads = clipping.gradients(opt.param_groups)
         if sharded and has_dtensor(grads):
             fail(
@@ -873,12 +865,20 @@ class LossScaler:
 
     # -- used by AMPPrecision for Lightning's control flow -----------------------------------
 
-    def _rearm(self, optimizer: Any) -> None:
-        """Let ``optimizer`` be unscaled and stepped again before ``update()``; keep its inf flag for it."""
+    def rearm(self, optimizer: Any) -> None:
+        """Let ``optimizer`` be unscaled and stepped again before ``update()``; keep its inf flag.
+
+        For manual optimization that steps one optimizer twice in an iteration (a WGAN critic),
+        after another backward: the next ``update()`` still counts the first step's overflow.
+        """
         self._iteration.rearm(id(unwrap_optimizer(optimizer)), self._sync)
 
-    def _forget(self, optimizer: Any) -> None:
-        """Drop this iteration's state of ``optimizer``: its gradients will not be stepped."""
+    def forget(self, optimizer: Any) -> None:
+        """Drop this iteration's state of ``optimizer``: its gradients will not be stepped.
+
+        For a batch whose optimizer step does not happen (``training_step`` returned ``None``):
+        nothing of it carries into the next iteration's check.
+        """
         self._iteration.forget(id(unwrap_optimizer(optimizer)))
 
 

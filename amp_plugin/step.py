@@ -92,7 +92,7 @@ class StepDriver:
         opt = unwrap_optimizer(optimizer)
         run_hooks()
         if self.scaler is not None:
-            self.scaler._forget(opt)  # nothing of this batch may be taken for the next one's state
+            self.scaler.forget(opt)  # nothing of this batch may be taken for the next one's state
         # Holds its scheduler; no scale update follows, so it is no part of the next batch's flags.
         self._skips[id(opt)] = self._last = True
 
@@ -151,7 +151,7 @@ class StepDriver:
         """Clip by the unscaled total norm (through the scaler: no extra pass for its check); return it."""
         opt = unwrap_optimizer(optimizer)
         if self.scaler is not None:
-            return self.scaler._clip_grad_norm(opt, max_norm, 2.0, False, False)
+            return self.scaler.clip_grad_norm_(opt, max_norm)
         grads = clipping.gradients(opt.param_groups)
         return clipping.clip_grad_norm_(self._kernels_for(grads), grads, max_norm).total_norm
 
@@ -244,7 +244,7 @@ class StepDriver:
                     "between, under a loss scaler or guard: the first step used the gradients. HINT: "
                     "call manual_backward (and zero_grad) before each step of the same optimizer."
                 )
-            scaler._rearm(opt)  # skipped on its own gradients; one scale update per batch
+            scaler.rearm(opt)  # skipped on its own gradients; one scale update per batch
             stage = "ready"
         self._stepped_since_backward.add(key)
         return stage

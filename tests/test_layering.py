@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "amp_plugin"
@@ -406,3 +407,50 @@ def test_every_name_has_one_public_path() -> None:
     }
     assert found - ALLOWED_REEXPORTS == set()
     assert found >= ALLOWED_REEXPORTS  # a fixed module leaves the allow-list
+
+
+def private_calls_across_modules(root: Path = ROOT) -> list[str]:
+    """``obj._name(...)`` calls where ``_name`` is a function or method of another module of ours.
+
+    A module's private functions and methods are its own: a call from elsewhere ties that module
+    to the other's internals (DESIGN: "Nothing calls a private name of another module"). Calls on
+    ``self``/``cls``, a tensor's private methods, and private names no module of ours defines
+    (torch's, Lightning's: those go through ``lightning/_compat.py``) are not counted.
+    """
+    defined: dict[str, set[str]] = {}  # private def name -> the modules that define it
+    trees = {name: ast.parse(path.read_text()) for name, path in package_modules(root).items()}
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+                defined.setdefault(node.name, set()).add(name)
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            func = node.func if isinstance(node, ast.Call) else None
+            if not isinstance(func, ast.Attribute) or not _private(func.attr):
+                continue
+            if isinstance(func.value, ast.Name) and func.value.id in ("self", "cls"):
+                continue
+            owners = defined.get(func.attr, set())
+            if hasattr(torch.Tensor, func.attr):  # a tensor's own (grad._values()), whatever we name ours
+                continue
+            if owners and name not in owners:
+                found.append(f"{name} calls {ast.unparse(func)}() of {', '.join(sorted(owners))}")
+    return sorted(found)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_calls_a_private_function_of_another() -> None:
+    assert private_calls_across_modules() == []
+
+
+def test_a_private_call_across_modules_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "amp_plugin"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("class A:\n    def _inner(self):\n        return self._inner2()\n")
+    (package / "b.py").write_text("def run(a):\n    return a._inner()\n")
+    assert private_calls_across_modules(tmp_path) == ["amp_plugin.b calls a._inner() of amp_plugin.a"]
