@@ -26,8 +26,8 @@ the device flag, for fused optimizers) so that schedulers and monitors never rea
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -38,7 +38,7 @@ from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.scaler import LossScaler
 from amp_plugin.sharding import ShardAwareKernels
 
-__all__ = ["StepDriver"]
+__all__ = ["StepDriver", "read_flags", "stacked_flags"]
 
 Skip = bool | Tensor  # a host bool where the scaler read the flag, else the device flag (> 0: skipped)
 
@@ -225,9 +225,7 @@ class StepDriver:
         elif any(f is True for f in flags) or all(isinstance(f, bool) for f in flags):
             self._batch = any(f is True for f in flags)  # known on the host: nothing to launch
         else:  # the device flags only (a host False adds nothing, and would be a host-to-device copy)
-            device_flags = [f for f in flags if isinstance(f, Tensor)]
-            device = device_flags[0].device
-            self._batch = torch.stack([f.to(device, torch.float32) for f in device_flags]).amax()
+            self._batch = cast(Tensor, stacked_flags([f for f in flags if isinstance(f, Tensor)])).amax()
         self._last = None  # from here on last_step_skipped describes the whole batch
 
     def _arm(self, scaler: LossScaler, opt: Any) -> str:
@@ -248,3 +246,32 @@ class StepDriver:
             stage = "ready"
         self._stepped_since_backward.add(key)
         return stage
+
+
+def stacked_flags(flags: Sequence[Skip]) -> Tensor | None:
+    """Skip flags as one fp32 tensor on the device of the first device flag; ``None`` without one.
+
+    One launch for the lot, however many steps they come from (host bools among them are copied
+    over). The step driver reduces it to a batch's flag, the monitor reads it once.
+
+    Example:
+        >>> stacked_flags([torch.tensor(1.0), False]).tolist(), stacked_flags([True, False])
+        ([1.0, 0.0], None)
+    """
+    device = next((f.device for f in flags if isinstance(f, Tensor)), None)
+    if device is None:
+        return None
+    return torch.stack([torch.as_tensor(f, dtype=torch.float32, device=device) for f in flags])
+
+
+def read_flags(flags: Sequence[Skip]) -> list[bool]:
+    """The skip flags as bools, with one host read for all the device flags among them (none if none).
+
+    Example:
+        >>> read_flags([torch.tensor(0.0), True, torch.tensor(1.0)])
+        [False, True, True]
+    """
+    stacked = stacked_flags(flags)
+    if stacked is None:
+        return [bool(f) for f in flags]
+    return [v > 0 for v in stacked.tolist()]

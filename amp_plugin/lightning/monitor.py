@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
@@ -43,6 +42,7 @@ from amp_plugin.lightning import _compat
 from amp_plugin.lightning._monitor_values import amp_metrics, publish
 from amp_plugin.lightning.plugin import AMPPrecision
 from amp_plugin.scaler import LossScaler
+from amp_plugin.step import read_flags
 
 __all__ = ["LossScaleMonitor"]
 
@@ -273,7 +273,7 @@ class LossScaleMonitor(Callback):
             return
         steps = [*self._pending, (trainer.global_step, flag)]
         self._pending = []
-        flags = _read_flags([f for _, f in steps])
+        flags = read_flags([f for _, f in steps])
         for (step, _), skipped in zip(steps[:-1], flags, strict=False):
             self._observe(plugin, pl_module, trainer, step, skipped, sample=False, current=False)
         self._observe(plugin, pl_module, trainer, trainer.global_step, flags[-1], sample, current=True)
@@ -461,12 +461,3 @@ def _clipping(trainer: Trainer) -> tuple[GradClipAlgorithmType, float] | None:
 
 def _is_pathological(verdict: HealthVerdict | None) -> bool:
     return verdict is not None and verdict.state == "pathological"
-
-
-def _read_flags(flags: list[bool | Tensor]) -> list[bool]:
-    """The skip flags as bools, with one host read for all device flags among them (none if none)."""
-    device = next((f.device for f in flags if isinstance(f, Tensor)), None)
-    if device is None:
-        return [bool(f) for f in flags]
-    values = torch.stack([torch.as_tensor(f, dtype=torch.float32, device=device) for f in flags])
-    return [v > 0 for v in values.tolist()]
