@@ -25,11 +25,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from amp_plugin._validation import check_bool, fail
+from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning.checkpoint import grad_scaler_state
 from amp_plugin.optim import handles_unscaling
 from amp_plugin.run import assigned_scaler, guard_of
 from amp_plugin.scaler import LossScaler
+from amp_plugin.spike import SpikeGuard, check_spike_guard
 from amp_plugin.step import StepDriver
 
 __all__ = ["AMPFSDPPrecision"]
@@ -44,6 +46,12 @@ class AMPFSDPPrecision(FSDPPrecision):
         precision: as for ``FSDPPrecision``; only ``"16-mixed"`` uses a scaler.
         scaler: the scaler for ``"16-mixed"`` (default: ``LossScaler("cuda")``, whose
             ``sync_found_inf="auto"`` agrees across all ranks). Must be ``None`` otherwise.
+        guard, kernels, spike_guard: keyword-only, with the names and meaning they have for
+            ``AMPPrecision`` (:class:`~amp_plugin.run.RunOptions`): check and skip every step in
+            every precision, the kernel backend of the default scaler and the guard, and a
+            :class:`~amp_plugin.spike.SpikeGuard` that also skips loss spikes. The other options
+            of ``AMPPrecision`` (master weights, roundings, fp8, fp32 functions) are FSDP's own
+            ``MixedPrecision`` config's business here.
 
     Example:
         >>> from amp_plugin import LossScaler
@@ -55,7 +63,13 @@ class AMPFSDPPrecision(FSDPPrecision):
     """
 
     def __init__(
-        self, precision: str = "16-mixed", scaler: LossScaler | None = None, guard: bool = True
+        self,
+        precision: str = "16-mixed",
+        scaler: LossScaler | None = None,
+        *,
+        guard: bool = True,
+        kernels: Backend = "auto",
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         if precision not in _PRECISIONS:
             fail(
@@ -85,10 +99,13 @@ class AMPFSDPPrecision(FSDPPrecision):
                 hint="drop the scaler: bf16 and fp32 need none.",
             )
         check_bool("AMPFSDPPrecision", "guard", guard)
+        kernels = check_backend(kernels, "AMPFSDPPrecision", "kernels")
+        spike_guard = check_spike_guard("AMPFSDPPrecision", spike_guard, guard)
         if precision == "16-mixed" and scaler is None:
-            scaler = LossScaler("cuda")
+            scaler = LossScaler("cuda", kernels=kernels)
         _compat.init_fsdp_precision(self, precision, scaler)
-        self._driver = StepDriver(guard_of(scaler, guard))  # every step checked, on every rank
+        # Every step checked, on every rank.
+        self._driver = StepDriver(guard_of(scaler, guard, kernels, spike_guard), kernels=kernels)
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]

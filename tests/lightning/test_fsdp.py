@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
 from amp_plugin import AMPFSDPPrecision, LossScaler
+from amp_plugin.spike import SpikeGuard
 from tests._ranks import leave_group, run_ranks
 
 # Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
@@ -214,3 +215,19 @@ def test_argument_errors_say_what_lightnings_fsdp_precision_says_plus_a_hint(
     ours = {**kwargs, "scaler": LossScaler("cpu") if "scaler" in kwargs else None}
     with pytest.raises(ValueError, match=rf"{words}.*HINT"):
         AMPFSDPPrecision(**ours)
+
+
+def test_fsdp_plugin_takes_the_run_keywords_it_can_act_on() -> None:
+    """``guard``, ``kernels`` and ``spike_guard`` mean for AMPFSDPPrecision what they mean for
+    AMPPrecision; they are keyword-only, as there."""
+    spike = SpikeGuard()
+    plugin = AMPFSDPPrecision("bf16-mixed", kernels="torch", spike_guard=spike)
+    assert plugin.guard is not None and plugin.guard.spike_guard is spike and plugin.guard.get_scale() == 1.0
+    scaled = AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu"), spike_guard=spike)
+    assert scaled.guard is scaled.scaler and scaled.scaler is not None and scaled.scaler.spike_guard is spike
+    with pytest.raises(ValueError, match=r"guard=False, spike_guard=SpikeGuard.*HINT"):
+        AMPFSDPPrecision("bf16-mixed", guard=False, spike_guard=spike)
+    with pytest.raises(ValueError, match=r"kernels='triton'.*HINT"):
+        AMPFSDPPrecision("bf16-mixed", kernels="triton")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        AMPFSDPPrecision("bf16-mixed", None, False)  # type: ignore[misc]
