@@ -153,6 +153,26 @@ def _isolated() -> Iterator[None]:
         )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_for_forked_ranks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A ``forks`` test runs with one intra-op thread, so that its forked ranks inherit one.
+
+    OpenMP is not fork-safe: a rank forked from a process whose OpenMP threads have run can wait
+    forever at its first parallel region (seen in CI: a ``ddp_fork`` rank stuck in libgomp's team
+    barrier inside an fp16 matmul). With one thread, torch runs every op inline. Defined after
+    ``_isolated``, so the count is back before that fixture checks it.
+    """
+    if request.node.get_closest_marker("forks") is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _group_initialised() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
