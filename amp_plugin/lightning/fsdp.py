@@ -46,12 +46,12 @@ class AMPFSDPPrecision(FSDPPrecision):
         precision: as for ``FSDPPrecision``; only ``"16-mixed"`` uses a scaler.
         scaler: the scaler for ``"16-mixed"`` (default: ``LossScaler("cuda")``, whose
             ``sync_found_inf="auto"`` agrees across all ranks). Must be ``None`` otherwise.
-        guard, kernels, spike_guard: keyword-only, with the names and meaning they have for
-            ``AMPPrecision`` (:class:`~amp_plugin.run.RunOptions`): check and skip every step in
-            every precision, the kernel backend of the default scaler and the guard, and a
-            :class:`~amp_plugin.spike.SpikeGuard` that also skips loss spikes. The other options
-            of ``AMPPrecision`` (master weights, roundings, fp8, fp32 functions) are FSDP's own
-            ``MixedPrecision`` config's business here.
+        guard: keyword-only, as for ``AMPPrecision`` (:class:`~amp_plugin.run.RunOptions`):
+            check and skip every step in every precision.
+        kernels: keyword-only: the kernel backend of the default scaler and the guard.
+        spike_guard: keyword-only: a :class:`~amp_plugin.spike.SpikeGuard` that also skips
+            loss spikes. The other options of ``AMPPrecision`` (master weights, roundings, fp8,
+            fp32 functions) are FSDP's own ``MixedPrecision`` config's business here.
 
     Example:
         >>> from amp_plugin import LossScaler
