@@ -53,7 +53,7 @@ VOCAB = 8
 SEQ_LEN = 32
 FAVOURITE_P = 0.08
 PRECISIONS = ("auto", "bf16-mixed", "16-mixed", "32-true")
-_BANNERS = ("available:", "Tip: For seamless cloud logging", "`Trainer.fit` stopped")
+_BANNERS = ("available:", "Tip: For seamless cloud logging", "`Trainer.fit` stopped", "that has Tensor Cores")
 
 
 @dataclass(frozen=True)
@@ -229,6 +229,7 @@ def quiet_lightning() -> None:
     """Keep the console to the progress bar, AMPPrecision's choice and the summary."""
     # Lightning's hardware banner repeats what the summary prints, and its tip is an advert; both
     # share a logger with the messages worth reading (AMPPrecision's choice, the monitor's verdict).
+    # On an Ampere-or-later GPU it also asks for TF32 matmuls: the fp32 comparison is true fp32 on purpose.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
         lambda record: not any(banner in record.getMessage() for banner in _BANNERS)
     )

@@ -14,8 +14,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Stands in for a process that has initialised CUDA: only the pytest process that loads it.
-_CUDA_INITIALISED = "import torch\ntorch.cuda.is_initialized = lambda: True\n"
+# Stands in for a process that has initialised CUDA: only the pytest process that loads it. It fakes
+# the harness's question, not torch.cuda.is_initialized: on a GPU machine a faked "initialised" makes
+# torch skip its lazy init, and the harness's CUDA RNG save then finds no generators.
+_CUDA_INITIALISED = "import tests.conftest\ntests.conftest.fork_unsafe = lambda: True\n"
 
 
 def _pytest(tmp_path: Path, body: str, *plugins: str) -> subprocess.CompletedProcess[str]:
@@ -32,14 +34,14 @@ def _pytest(tmp_path: Path, body: str, *plugins: str) -> subprocess.CompletedPro
 def test_a_forks_test_reruns_in_a_fresh_interpreter_once_cuda_is_initialised(tmp_path: Path) -> None:
     body = (
         "@pytest.mark.forks\ndef test_in_a_fresh_interpreter():\n"
-        "    assert torch.cuda.is_initialized.__name__ != '<lambda>'\n\n"
+        "    import sys\n    assert 'cuda_initialised' not in sys.modules\n\n"
         "@pytest.mark.forks\ndef test_fails_there_too():\n    assert False, 'failed in the child'\n"
     )
     run = _pytest(tmp_path, body, "cuda_initialised")
     assert "1 failed, 1 passed" in run.stdout, run.stdout
     assert "rerun in a fresh interpreter (CUDA is initialised in this one)" in run.stdout
     assert "failed in the child" in run.stdout
-    plain = _pytest(tmp_path, body)  # CUDA not initialised: both run here, the lambda is not there
+    plain = _pytest(tmp_path, body)  # CUDA not initialised: both run here, where the fake is not loaded
     assert "1 failed, 1 passed" in plain.stdout and "fresh interpreter" not in plain.stdout, plain.stdout
 
 

@@ -115,6 +115,33 @@ def test_quickstart_names_the_device_it_trained_on_not_where_the_model_ends_up(
     assert summary["device"].startswith("meta ("), summary["device"]
 
 
+def test_quickstart_keeps_lightnings_tensor_core_advice_out_of_its_console(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # On an Ampere-or-later GPU Lightning logs a 330-character line asking for TF32 matmuls; the
+    # quickstart's fp32 comparison runs true fp32 on purpose, so the advice is noise there.
+    import importlib.util
+    import logging
+
+    from lightning.fabric.accelerators import cuda as lightning_cuda
+
+    spec = importlib.util.spec_from_file_location("quickstart_for_banners", EXAMPLES / "quickstart.py")
+    assert spec is not None and spec.loader is not None
+    quickstart = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, quickstart)
+    spec.loader.exec_module(quickstart)
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    monkeypatch.setattr(logger, "filters", list(logger.filters))  # the quickstart's filter goes with the test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(lightning_cuda, "_is_ampere_or_later", lambda device=None: True)
+    quickstart.quiet_lightning()
+    with caplog.at_level(logging.INFO):
+        lightning_cuda._check_cuda_matmul_precision.__wrapped__(torch.device("cuda"))
+        logger.info("a message worth reading")
+    assert [record.getMessage() for record in caplog.records] == ["a message worth reading"]
+
+
 def test_quickstart_pins_its_threads_and_compares_with_fp32(tmp_path: Path) -> None:
     # Without OMP_NUM_THREADS torch would take one thread per core; the quickstart pins its own.
     out = _run("quickstart.py", "--accelerator", "cpu", cwd=tmp_path, omp_threads=None)
