@@ -157,6 +157,7 @@ def test_after_prepare_it_refuses_and_changes_nothing() -> None:
     assert accelerator.scaler is None and accelerator.native_amp is False
 
 
+@pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
 def test_importing_amp_plugin_does_not_import_accelerate() -> None:
     code = "import sys, amp_plugin, amp_plugin.accelerate; print('accelerate' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

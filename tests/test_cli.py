@@ -151,6 +151,7 @@ def test_doctor_fp8_without_a_model_says_how_to_see_the_layers(capsys: pytest.Ca
     assert document["layers"] is None and document["recipe"] == "tensorwise"
 
 
+@pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
 def test_doctor_fp8_with_a_model_prints_no_import_noise() -> None:
     # A fresh process: torchao's import-time warnings come only with its first import.
     command = [sys.executable, "-m", "amp_plugin", "doctor", "--fp8", "--model", "tests._fp8_models:TinyLM"]
@@ -238,6 +239,7 @@ def test_dunder_main_runs_the_cli() -> None:
     assert dunder_main.main is main
 
 
+@pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
 def test_python_dash_m_entry_point() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "amp_plugin", "doctor", "--json", "--no-measure"],
@@ -251,6 +253,7 @@ def test_python_dash_m_entry_point() -> None:
     assert json.loads(result.stdout)["device"]["versions"]["torch"] == torch.__version__
 
 
+@pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
 def test_python_dash_m_version_and_a_mistyped_option() -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "amp_plugin", *args]

@@ -50,6 +50,7 @@ def _page(site: Path, name: str) -> str:
     return (site / name / "index.html").read_text()
 
 
+@pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
 def test_site_builds_strict(tmp_path: Path) -> None:
     _need_mkdocs()
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}

@@ -12,6 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# Each test runs pytest in a subprocess: the one-thread pass of the test command leaves them out.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Stands in for a process that has initialised CUDA: only the pytest process that loads it. It fakes

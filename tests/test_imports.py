@@ -28,6 +28,7 @@ def test_apex_probe_follows_amp_c() -> None:
         assert _imports.import_amp_c() == (fake.amp_c, fake.applier)
 
 
+@pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
 def test_probing_imports_nothing_until_asked() -> None:
     code = (
         "import sys, amp_plugin._imports; "

@@ -254,6 +254,7 @@ def _ranks_worker(rank: int, store: str, out: str) -> None:
     leave_group()
 
 
+@pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
 def test_a_spike_on_one_rank_is_skipped_on_every_rank(tmp_path: Any) -> None:
     from tests._ranks import run_ranks
 

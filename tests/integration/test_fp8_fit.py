@@ -102,13 +102,13 @@ def _fit(
 
 
 def test_fp8_fit_converts_reports_and_trains_like_bf16(caplog: pytest.LogCaptureFixture) -> None:
-    """30 steps of TinyLM: the mean loss of the last 10 is within 5% of bf16's (measured on CPU: bf16 0.3156,
-    fp8 tensorwise 0.3163, +0.23%)."""
+    """24 steps of TinyLM: the mean loss of the last 10 is within 5% of bf16's (measured on CPU: bf16 0.4931,
+    fp8 tensorwise 0.4935, +0.08%)."""
     reference = _LM()
-    _fit(reference, AMPPrecision("bf16-mixed"))
+    _fit(reference, AMPPrecision("bf16-mixed"), steps=24)
     module, plugin = _LM(), AMPPrecision("bf16-mixed", fp8=SMALL)
     with caplog.at_level(logging.INFO):
-        _fit(module, plugin)
+        _fit(module, plugin, steps=24)
     assert plugin.fp8_report is not None
     assert float8_layer_names(module) == plugin.fp8_report.converted_names
     assert len(plugin.fp8_report.converted) == 7

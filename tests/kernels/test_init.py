@@ -59,6 +59,7 @@ def test_unknown_device_raises_with_what_is_allowed_and_a_hint() -> None:
         get_kernels(device=[0])  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
 def test_import_loads_neither_apex_nor_lightning_nor_cuda() -> None:
     code = textwrap.dedent(
         """

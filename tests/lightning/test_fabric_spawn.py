@@ -144,6 +144,7 @@ def _spawned(fabric: Fabric, out: str) -> None:
     leave_group()  # a rank leaving early can make gloo abort the other at exit, now and then
 
 
+@pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
 def test_fabric_ddp_spawn_trains_with_the_plugin(tmp_path: Path) -> None:
     if not dist.is_available():
         pytest.skip("this torch build has no torch.distributed")
