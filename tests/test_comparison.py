@@ -34,15 +34,16 @@ def defined_tests(path: Path) -> set[str]:
 
 
 def test_references_are_parsed_from_code_spans_and_links() -> None:
-    text = "a `tests/test_scaler.py::test_x` and [b](tests/integration/test_ddp.py::test_y)"
+    text = "a `tests/unit/scaler/test_scaler.py::test_x` and [b](tests/integration/test_ddp.py::test_y)"
     assert references(text) == [
-        ("tests/test_scaler.py", "test_x"), ("tests/integration/test_ddp.py", "test_y"),
+        ("tests/unit/scaler/test_scaler.py", "test_x"), ("tests/integration/test_ddp.py", "test_y"),
     ]  # fmt: skip
 
 
 def test_a_missing_test_is_noticed() -> None:
-    assert "test_bit_identical_to_torch_grad_scaler" in defined_tests(ROOT / "tests/test_scaler.py")
-    assert "test_no_such_test" not in defined_tests(ROOT / "tests/test_scaler.py")
+    scaler_tests = defined_tests(ROOT / "tests/unit/scaler/test_scaler.py")
+    assert "test_bit_identical_to_torch_grad_scaler" in scaler_tests
+    assert "test_no_such_test" not in scaler_tests
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

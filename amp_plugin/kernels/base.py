@@ -7,7 +7,7 @@ require. None of the operations synchronises the host with the device, and every
 works for every dtype below on CPU and CUDA (bf16 on CUDA included).
 
 Semantics (the same on every device; tests check each backend against fp64 math rounded the
-way this contract says, ``tests/kernels/_reference.py``):
+way this contract says, ``tests/unit/kernels/_reference.py``):
 
 ``unscale_(tensors, inv_scale, found_inf)``
     Multiply every tensor in place by ``inv_scale`` (an fp32 scalar tensor on any device): each

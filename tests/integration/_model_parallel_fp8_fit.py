@@ -86,7 +86,7 @@ def main(out_dir: str) -> None:
         enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(ShardedLM(out_dir), DataLoader(batches(4), batch_size=None))
-    if dist.is_initialized():  # leave the group together (see tests/lightning/_model_parallel_fit.py)
+    if dist.is_initialized():  # leave the group together (see tests/unit/lightning/_model_parallel_fit.py)
         dist.barrier()
         dist.destroy_process_group()
 

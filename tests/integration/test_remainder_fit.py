@@ -1,7 +1,8 @@
 """``master_weights="remainder"`` under the Trainer and Fabric: skips, checkpoints, interop with O2, refusals.
 
 The numbers (bit-identity with an independent fp32-master reference) are pinned in
-``tests/test_remainder_masters.py``; here the adapters are checked to drive the same pieces.
+``tests/unit/master_weights/test_remainder_masters.py``; here the adapters are checked to drive
+the same pieces.
 """
 
 from __future__ import annotations

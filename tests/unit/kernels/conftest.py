@@ -8,7 +8,7 @@ import pytest
 
 from tests.fakes import FakeApex, fake_apex
 from tests.fakes.cuda_rules import cuda_rules_on_cpu
-from tests.kernels._tensors import SMALL_CHUNK
+from tests.unit.kernels._tensors import SMALL_CHUNK
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from torch import nn
 from amp_plugin import __version__
 from amp_plugin.cli import load_model, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 NOT_CALLABLE = 3
 
 
@@ -80,7 +80,7 @@ def test_doctor_ops_json_holds_each_probe(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_doctor_audits_a_bad_model_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--no-measure", "--model", "tests.test_cli:bad_model"]) == 1
+    assert main(["doctor", "--no-measure", "--model", "tests.unit.cli.test_cli:bad_model"]) == 1
     out = capsys.readouterr().out
     assert "Audit of Sequential: 1 error, 1 warning, 2 info notes" in out
     for code in ("nonfinite-values", "fp16-overflow", "norm-eps", "tensor-core-size"):
@@ -88,26 +88,27 @@ def test_doctor_audits_a_bad_model_and_exits_1(capsys: pytest.CaptureFixture[str
 
 
 def test_doctor_json_with_a_model(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--json", "--no-measure", "--model", "tests.test_cli:bad_model"]) == 1
+    assert main(["doctor", "--json", "--no-measure", "--model", "tests.unit.cli.test_cli:bad_model"]) == 1
     audit = json.loads(capsys.readouterr().out)["audit"]
     assert audit["ok"] is False and audit["counts"] == {"error": 1, "warning": 1, "info": 2}
 
 
 def test_doctor_passes_a_clean_model(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--no-measure", "--model", "tests.test_cli:clean_model"]) == 0
+    assert main(["doctor", "--no-measure", "--model", "tests.unit.cli.test_cli:clean_model"]) == 0
     assert "No fp16 hazards found" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ("tests.test_cli", r"is not a factory spec; expected 'package.module:factory'"),
-        ("tests.test_cli:", r"is not a factory spec"),
+        ("tests.unit.cli.test_cli", r"is not a factory spec; expected 'package.module:factory'"),
+        ("tests.unit.cli.test_cli:", r"is not a factory spec"),
         ("no_such_package.models:build", r"importing 'no_such_package.models' failed \(ModuleNotFoundError"),
-        ("tests.test_cli:missing", r"has no attribute 'missing'; expected a callable"),
-        ("tests.test_cli:NOT_CALLABLE", r"'NOT_CALLABLE' is a int, not callable"),
-        ("tests.test_cli:not_a_model", r"not_a_model\(\) returned a dict; expected a torch.nn.Module"),
-        ("tests.test_cli:broken_factory", r"calling broken_factory\(\) raised RuntimeError"),
+        ("tests.unit.cli.test_cli:missing", r"has no attribute 'missing'; expected a callable"),
+        ("tests.unit.cli.test_cli:NOT_CALLABLE", r"'NOT_CALLABLE' is a int, not callable"),
+        ("tests.unit.cli.test_cli:not_a_model",
+         r"not_a_model\(\) returned a dict; expected a torch.nn.Module"),
+        ("tests.unit.cli.test_cli:broken_factory", r"calling broken_factory\(\) raised RuntimeError"),
     ],
 )
 def test_doctor_model_errors_exit_2_with_a_message(

@@ -142,7 +142,7 @@ def test_clip_grad_by_norm_uses_the_norm_of_every_shard(ranks: list[dict[str, An
 def test_amp_precision_under_model_parallel_strategy_on_cpu(tmp_path: Path, precision: str) -> None:
     """Lightning's FSDP2 strategy runs on CPU; AMPPrecision handles its DTensor gradients."""
     script = Path(__file__).with_name("_model_parallel_fit.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[3]), *sys.path])}
     run = subprocess.run(
         [sys.executable, str(script), str(tmp_path), precision], cwd=tmp_path, env=env,
         capture_output=True, text=True, timeout=300,
@@ -160,7 +160,7 @@ def test_amp_precision_under_model_parallel_strategy_on_cpu(tmp_path: Path, prec
 def test_loss_scale_monitor_names_the_sharded_parameter_on_every_rank(tmp_path: Path) -> None:
     """FSDP2's DTensor gradients: the monitor's forensics run on every rank and name the parameter."""
     script = Path(__file__).with_name("_model_parallel_fit.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[3]), *sys.path])}
     run = subprocess.run(
         [sys.executable, str(script), str(tmp_path), "16-mixed", "monitor"], cwd=tmp_path, env=env,
         capture_output=True, text=True, timeout=300,

@@ -1,4 +1,4 @@
-"""Run as a script by tests/lightning/test_fsdp.py: Lightning's ModelParallelStrategy (FSDP2) on 2 CPUs.
+"""Run as a script by tests/unit/lightning/test_fsdp.py: Lightning's ModelParallelStrategy (FSDP2) on 2 CPUs.
 
 Lightning launches the second process by re-running this script, so it cannot run inside pytest.
 Usage: python _model_parallel_fit.py OUT_DIR PRECISION [monitor]

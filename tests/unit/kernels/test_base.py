@@ -1,6 +1,6 @@
 """Contract tests of every kernel backend (``amp_plugin.kernels.base``) against the fp64 reference.
 
-The oracle is ``tests/kernels/_reference.py`` (fp64 math, explicit rounding), never a backend;
+The oracle is ``tests/unit/kernels/_reference.py`` (fp64 math, explicit rounding), never a backend;
 where the contract promises bit-identity with a torch op, that op is the second oracle.
 
 Backends: ``torch`` on each device (``torch-cpu``; ``torch-cuda``, skipped without a GPU; and
@@ -24,8 +24,8 @@ from torch import Tensor
 from amp_plugin.kernels import get_kernels
 from amp_plugin.kernels.apex import ApexKernels
 from amp_plugin.kernels.foreach import TorchKernels
-from tests.kernels._reference import reference_mul, reference_norm, reference_unscale, round_to, scaled
-from tests.kernels._tensors import (
+from tests.unit.kernels._reference import reference_mul, reference_norm, reference_unscale, round_to, scaled
+from tests.unit.kernels._tensors import (
     BF16,
     CPU,
     FP16,

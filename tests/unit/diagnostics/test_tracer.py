@@ -8,7 +8,7 @@ from torch import nn
 
 from amp_plugin.diagnostics import tracer as tracer_module
 from amp_plugin.diagnostics.tracer import NonFiniteTracer
-from tests.diagnostics._models import Boost, GradBoost, Layer, Net, forward_backward
+from tests.unit.diagnostics._models import Boost, GradBoost, Layer, Net, forward_backward
 
 
 def test_tracer_names_the_module_that_overflows_in_forward() -> None:

@@ -12,8 +12,8 @@ from amp_plugin.kernels import Kernels
 from amp_plugin.kernels import apex as apex_module
 from amp_plugin.kernels.apex import ApexKernels
 from tests.fakes import FakeApex, fake_amp_c, fake_apex
-from tests.kernels._reference import reference_mul, reference_norm, reference_unscale
-from tests.kernels._tensors import (
+from tests.unit.kernels._reference import reference_mul, reference_norm, reference_unscale
+from tests.unit.kernels._tensors import (
     BF16,
     FP16,
     FP32,

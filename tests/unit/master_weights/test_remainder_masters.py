@@ -24,7 +24,7 @@ from amp_plugin import LossScaler, master_weights
 from amp_plugin.master_weights import MasterWeights, cast_model
 
 BF16_MANTISSA = 7  # stored mantissa bits
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart.py"
 
 
 def round_half_away(m: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from amp_plugin.lightning import _compat
 
-PIN_TEST = Path(__file__).resolve().parents[1] / "integration" / "test_plugin_lightning.py"
+PIN_TEST = Path(__file__).resolve().parents[2] / "integration" / "test_plugin_lightning.py"
 
 
 def test_every_compat_function_is_exported_and_called_by_the_pin_test() -> None:

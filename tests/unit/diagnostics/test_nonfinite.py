@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from amp_plugin.diagnostics.nonfinite import nonfinite_gradients
-from tests.diagnostics._models import Net, forward_backward
+from tests.unit.diagnostics._models import Net, forward_backward
 
 
 def test_nonfinite_gradients_names_the_poisoned_parameter() -> None:

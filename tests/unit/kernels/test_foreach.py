@@ -15,7 +15,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from amp_plugin.kernels import get_kernels
 from amp_plugin.kernels.foreach import TorchKernels
 from tests.fakes.cuda_rules import cuda_rules_on_cpu
-from tests.kernels._tensors import BF16, CPU, FP16, MIXES, NONFINITE, assert_bit_identical, clone, make_grads
+from tests.unit.kernels._tensors import (
+    BF16,
+    CPU,
+    FP16,
+    MIXES,
+    NONFINITE,
+    assert_bit_identical,
+    clone,
+    make_grads,
+)
 
 # --- the CUDA routes, run on CPU under CUDA's rules (tests/fakes/cuda_rules.py) -------------------
 
