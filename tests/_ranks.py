@@ -1,11 +1,13 @@
-"""Run a worker in a few gloo processes and read back what each rank wrote.
+"""Run a worker in a few gloo processes and read back what each rank returned.
 
-A worker is ``worker(rank, store, out_dir)``: it joins the group through the file ``store``
-(``init_method=f"file://{store}"``) and writes ``rank<N>.json`` into ``out_dir``.
+A worker is ``worker(rank) -> dict``: it runs inside a joined gloo group (file store, one
+intra-op thread) and returns a JSON-serialisable result. The ranks leave the group together and
+exit without the interpreter's shutdown.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Callable
@@ -13,26 +15,38 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+Worker = Callable[[int], Any]
 
-def run_ranks(worker: Callable[[int, str, str], None], root: Path, world: int) -> list[dict[str, Any]]:
-    """Spawn ``world`` processes of ``worker`` and return each rank's JSON result, rank order."""
+
+def run_ranks(worker: Worker, root: Path, world: int) -> list[Any]:
+    """Spawn ``world`` processes of ``worker`` and return each rank's result, in rank order."""
     if not dist.is_available():
         pytest.skip("this torch build has no torch.distributed")
-    mp.spawn(run_then_exit, args=(worker, str(root / "store"), str(root)), nprocs=world)
+    mp.spawn(_rank_main, args=(worker, str(root), world), nprocs=world)
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def run_then_exit(rank: int, worker: Callable[[int, str, str], None], store: str, out: str) -> None:
-    """Run ``worker``, then leave the process at once: no interpreter shutdown, no gloo destructors.
+def _rank_main(rank: int, worker: Worker, root: str, world: int) -> None:
+    """One rank: join, run ``worker``, leave together, write its result, exit at once.
 
-    Freeing a distributed model or a process group at exit can abort the process ("terminate called
-    without an active exception") or deadlock on the GIL in gloo's teardown, now and then; what the
-    worker wrote is on disk already, so nothing is lost by skipping it.
+    The exit skips the interpreter's shutdown: freeing a distributed model or a process group
+    there can abort the process ("terminate called without an active exception") or deadlock on
+    the GIL in gloo's teardown, now and then; the result is on disk already, so nothing is lost.
     """
-    worker(rank, store, out)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/store", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    try:
+        result = worker(rank)
+    finally:
+        leave_group()
+    Path(root, f"rank{rank}.json").write_text(json.dumps(result))
     os._exit(0)
 
 

@@ -10,19 +10,14 @@ tests can fail.
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import socket
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,7 +32,7 @@ from amp_plugin.distributed import (
 )
 from amp_plugin.kernels import get_kernels
 from amp_plugin.sharding import ShardAwareKernels
-from tests._ranks import leave_group, run_then_exit
+from tests._ranks import run_ranks
 
 WORLD = 2
 SCALE = 2.0**10
@@ -215,44 +210,23 @@ def _unstepped_scenario(rank: int) -> Report:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        report: Report = {
-            "overflow": {f"{k}/{s}": _overflow_scenario(k, s, rank) for k, s in OVERFLOW_CASES},
-            "consistency": _consistency_scenario(rank),
-            "sharded": {
-                f"{p}/{fused}/{poison}": _sharded_norm_scenario(p, fused, poison, rank)
-                for p in NORM_TYPES
-                for fused in (False, True)
-                for poison in (False, True)
-            },
-            "unstepped": _unstepped_scenario(rank),
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    finally:
-        leave_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _worker(rank: int) -> Report:
+    return {
+        "overflow": {f"{k}/{s}": _overflow_scenario(k, s, rank) for k, s in OVERFLOW_CASES},
+        "consistency": _consistency_scenario(rank),
+        "sharded": {
+            f"{p}/{fused}/{poison}": _sharded_norm_scenario(p, fused, poison, rank)
+            for p in NORM_TYPES
+            for fused in (False, True)
+            for poison in (False, True)
+        },
+        "unstepped": _unstepped_scenario(rank),
+    }
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> list[Report]:
-    out_dir = tmp_path_factory.mktemp("ranks")
-    # Through run_then_exit: the workers skip the interpreter's shutdown, where gloo can abort.
-    mp.spawn(run_then_exit, args=(_worker, _free_port(), str(out_dir)), nprocs=WORLD, join=True)
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_worker, tmp_path_factory.mktemp("ranks"), WORLD)
 
 
 # -- found_inf is agreed on every path -----------------------------------------------------------

@@ -22,12 +22,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from amp_plugin import LossScaler, _imports
 from amp_plugin.fp8 import Float8, convert, float8_layer_names, plain_tensor
 from tests._fp8_models import TinyLM, batches, lm_loss
-from tests._ranks import leave_group, run_ranks
+from tests._ranks import run_ranks
 
 # Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
 pytestmark = [
@@ -118,28 +117,23 @@ def _flat(params: list[list[float]]) -> torch.Tensor:
     return torch.cat([torch.tensor(p) for p in params])
 
 
-def _worker(rank: int, store: str, out: str) -> None:
+def _worker(rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     results: dict[str, Any] = {}
-    try:
-        for case, spec in CASES.items():
-            try:
-                model, mesh = _model(spec), _cpu_mesh()
-                for block in model.blocks:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(model, mesh=mesh)
-                results[case] = {**_train(model, rank), "fp8_layers": len(float8_layer_names(model))}
-                state = model.state_dict()
-                results[case]["state_types"] = sorted({type(v.to_local()).__name__ for v in state.values()})
-            except Exception as err:  # reported, so the test can say which case does not run on CPU
-                results[case] = {"error": f"{type(err).__name__}: {err}"[:500]}
-        results["converted after sharding"] = _convert_after_sharding()
-    finally:
-        leave_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    for case, spec in CASES.items():
+        try:
+            model, mesh = _model(spec), _cpu_mesh()
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            results[case] = {**_train(model, rank), "fp8_layers": len(float8_layer_names(model))}
+            state = model.state_dict()
+            results[case]["state_types"] = sorted({type(v.to_local()).__name__ for v in state.values()})
+        except Exception as err:  # reported, so the test can say which case does not run on CPU
+            results[case] = {"error": f"{type(err).__name__}: {err}"[:500]}
+    results["converted after sharding"] = _convert_after_sharding()
+    return results
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,15 @@ loss, so the sharded and the unsharded runs take the same steps up to fp32 round
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from amp_plugin import LossScaler
-from tests._ranks import leave_group, run_ranks
+from tests._ranks import run_ranks
 
 WORLD, STEPS, POISON_STEP, MAX_NORM = 2, 6, 2, 0.5
 CASES = {  # name: (AdamW options, sync_found_inf, clip)
@@ -93,33 +90,28 @@ def _refused_sharded_flag(model: nn.Module) -> str:
     return "accepted"
 
 
-def _worker(rank: int, store: str, out: str) -> None:
+def _worker(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     results: dict[str, Any] = {}
     # A CPU mesh, named: fully_shard's default mesh is on torch's accelerator, CUDA where there is one.
     cpu = init_device_mesh("cpu", (WORLD,))
-    try:
-        for case in CASES:
-            model = _model()
-            for layer in (model[0], model[2], model):
-                fully_shard(layer, mesh=cpu)
-            results[case] = {**_train(model, case, rank), "param_type": type(model[2].weight).__name__}
-        results["sharded=True"] = _refused_sharded_flag(model)
-        # HSDP: replicated across the 2 ranks, each shard group of one rank, so every rank holds
-        # the whole gradient: the norm must not be summed over the replicate dimension.
-        mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+    for case in CASES:
         model = _model()
         for layer in (model[0], model[2], model):
-            fully_shard(layer, mesh=mesh)
-        placements = [str(p) for p in model[2].weight.placements]
-        results["hsdp"] = {**_train(model, "foreach", rank), "placements": placements}
-    finally:
-        leave_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+            fully_shard(layer, mesh=cpu)
+        results[case] = {**_train(model, case, rank), "param_type": type(model[2].weight).__name__}
+    results["sharded=True"] = _refused_sharded_flag(model)
+    # HSDP: replicated across the 2 ranks, each shard group of one rank, so every rank holds
+    # the whole gradient: the norm must not be summed over the replicate dimension.
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    placements = [str(p) for p in model[2].weight.placements]
+    results["hsdp"] = {**_train(model, "foreach", rank), "placements": placements}
+    return results
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,14 @@ skipped step are the same wherever they are read.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from amp_plugin.diagnostics import nonfinite_gradients
-from tests._ranks import leave_group, run_ranks
+from tests._ranks import run_ranks
 
 WORLD = 2
 
@@ -26,30 +23,25 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
 
 
-def _worker(rank: int, store: str, out: str) -> None:
+def _worker(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     results: dict[str, Any] = {}
-    try:
-        model = _model()
-        mesh = init_device_mesh("cpu", (WORLD,))  # fully_shard's default mesh is CUDA's where CUDA is present
-        for layer in (model[0], model[2], model):
-            fully_shard(layer, mesh=mesh)
-        model(torch.randn(3, 4)).sum().backward()
-        results["clean"] = [str(g) for g in nonfinite_gradients(model)]
-        grad = model[2].weight.grad
-        results["grad_type"] = type(grad).__name__
-        if rank == 1:  # rank 1's shard only: rank 0's own gradients are finite
-            grad.to_local().view(-1)[:2] = float("inf")
-            model[0].bias.grad.to_local().view(-1)[0] = float("nan")
-        results["poisoned"] = [str(g) for g in nonfinite_gradients(model.named_parameters())]
-        results["limited"] = [str(g) for g in nonfinite_gradients(model, limit=1)]
-    finally:
-        leave_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    model = _model()
+    mesh = init_device_mesh("cpu", (WORLD,))  # fully_shard's default mesh is CUDA's where CUDA is present
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    model(torch.randn(3, 4)).sum().backward()
+    results["clean"] = [str(g) for g in nonfinite_gradients(model)]
+    grad = model[2].weight.grad
+    results["grad_type"] = type(grad).__name__
+    if rank == 1:  # rank 1's shard only: rank 0's own gradients are finite
+        grad.to_local().view(-1)[:2] = float("inf")
+        model[0].bias.grad.to_local().view(-1)[0] = float("nan")
+    results["poisoned"] = [str(g) for g in nonfinite_gradients(model.named_parameters())]
+    results["limited"] = [str(g) for g in nonfinite_gradients(model, limit=1)]
+    return results
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
@@ -28,7 +27,7 @@ from torch import nn
 
 from amp_plugin import AMPFSDPPrecision, LossScaler
 from amp_plugin.spike import SpikeGuard
-from tests._ranks import leave_group, run_ranks
+from tests._ranks import run_ranks
 
 # Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
 pytestmark = pytest.mark.slow
@@ -87,32 +86,27 @@ def _step(
     return plugin.optimizer_step(opt, SimpleNamespace(automatic_optimization=True), closure)  # type: ignore[arg-type]
 
 
-def _worker(rank: int, store: str, out: str) -> None:
+def _worker(rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     results: dict[str, Any] = {}
-    try:
-        lightning = FSDPPrecision("16-mixed")  # its scaler= argument refuses every scaler (Lightning 2.6)
-        lightning.scaler = ShardedGradScaler("cpu", init_scale=1024.0)
-        plugins = {
-            "lightning": lightning,
-            "amp_plugin": AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu", init_scale=1024.0)),
-        }
-        for name, plugin in plugins.items():
-            param = _shard(rank)
-            opt = torch.optim.AdamW([param], lr=0.1, fused=True)
-            changed, norms = [], []
-            for step in range(3):
-                before = param.detach().clone()
-                _step(plugin, param, opt, rank, step, norms)
-                changed.append(not torch.equal(before, param.detach()))
-            results[name] = {"stepped": changed, "finite": bool(torch.isfinite(param).all()),
-                             "scale": plugin.scaler.get_scale(), "clipped_norms": norms}  # fmt: skip
-    finally:
-        leave_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    lightning = FSDPPrecision("16-mixed")  # its scaler= argument refuses every scaler (Lightning 2.6)
+    lightning.scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+    plugins = {
+        "lightning": lightning,
+        "amp_plugin": AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu", init_scale=1024.0)),
+    }
+    for name, plugin in plugins.items():
+        param = _shard(rank)
+        opt = torch.optim.AdamW([param], lr=0.1, fused=True)
+        changed, norms = [], []
+        for step in range(3):
+            before = param.detach().clone()
+            _step(plugin, param, opt, rank, step, norms)
+            changed.append(not torch.equal(before, param.detach()))
+        results[name] = {"stepped": changed, "finite": bool(torch.isfinite(param).all()),
+                         "scale": plugin.scaler.get_scale(), "clipped_norms": norms}  # fmt: skip
+    return results
 
 
 @pytest.fixture(scope="module")
