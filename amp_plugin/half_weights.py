@@ -103,14 +103,16 @@ class HalfWeights:
                         rounder.load_state_dict(self._rng_states[len(self._rounders)])
                     self._rounders[id(opt)] = rounder
 
-    def accumulate_in_fp32(self, enabled: bool) -> None:
+    def accumulate_in_fp32(self, enabled: bool, ddp: Any = None) -> None:
         """Add micro-batch gradients up in fp32 (``True``) or in the half ``.grad`` (``False``).
 
         Turn it on where several backward passes run per optimizer step (gradient accumulation):
         each trainable half parameter's gradient then moves into an fp32 sum after every backward
         (4 bytes per parameter, held until the step; see :mod:`amp_plugin.grad_accumulation`), and
         :meth:`before_step` hands the step the sum: as the masters' fp32 ``.grad``, or rounded once
-        into the half ``.grad`` without masters. Call it after :meth:`convert`.
+        into the half ``.grad`` without masters. Call it after :meth:`convert`. With ``ddp`` (the
+        model's ``DistributedDataParallel``, before its first backward) DDP averages the fp32 sums
+        across ranks instead of the half ``.grad``.
         """
         if self._accumulation is not None:
             self._accumulation.remove()
@@ -120,6 +122,8 @@ class HalfWeights:
             return
         params = list(module.parameters())
         self._accumulation = Fp32GradAccumulation(params)
+        if ddp is not None:
+            self._accumulation.reduce_across(ddp)
         masters = self.masters if self.master_weights else None
         for param in params:
             master = masters.master_of(param) if masters is not None else None

@@ -93,7 +93,8 @@ class RunOptions(TypedDict, total=False):
       backward passes per optimizer step, add the micro-batch gradients up in fp32 (4 bytes per
       trainable half parameter, held until the step) instead of in the half ``.grad``, whose
       every addition rounds to 8 (bf16) or 11 (fp16) significant bits; see
-      :mod:`amp_plugin.grad_accumulation`. Single-process runs only. Default ``True``.
+      :mod:`amp_plugin.grad_accumulation`. One device or DDP (which then averages the fp32 sums).
+      Default ``True``.
     - ``spike_guard``: a :class:`~amp_plugin.spike.SpikeGuard` that also skips a step whose loss
       (or unscaled gradient norm) jumps far above its recent history (counted as a skip; the scale
       does not back off; kept in checkpoints). Default ``None`` (off).

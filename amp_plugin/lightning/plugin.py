@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
@@ -62,8 +63,9 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             ``on_before_optimizer_step`` or ``configure_gradient_clipping``; ``lr_on_skip`` acts on
             step-interval schedulers (in manual optimization declare them with
             ``"interval": "step"``); ``fp32_grad_accumulation`` acts where
-            ``Trainer(accumulate_grad_batches > 1)`` runs on one device (under DDP and the other
-            strategies it is off, with a warning).
+            ``Trainer(accumulate_grad_batches > 1)`` runs on one device or under DDP (under the
+            other strategies, and DDP with ``gradient_as_bucket_view`` or a comm hook of its own,
+            it is off, with a warning).
 
     Example:
         >>> plugin = AMPPrecision("16-mixed", device="cpu")
@@ -145,7 +147,13 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         )
         if run.half is not None:
             run.half.attach(optimizers)
-            run.half.accumulate_in_fp32(self._accumulates_in_fp32(model, module))
+            accumulate, ddp = self._accumulates_in_fp32(model, module)
+            try:
+                run.half.accumulate_in_fp32(accumulate, ddp)
+            except RuntimeError:  # DDP takes one comm hook, and this model has one (ddp_comm_hook=)
+                run.half.accumulate_in_fp32(False)
+                strategy = f"{type(model).__name__} with a comm hook"
+                rank_zero_warn(_NO_FP32_ACCUMULATION.format(strategy=strategy))
         lbfgs = any(map(checks.is_lbfgs, optimizers))
         if lbfgs and self.scaler is None and run.half is None and run.guard_on:
             rank_zero_warn(checks.LBFGS_UNGUARDED)
@@ -166,17 +174,23 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
                 )
         return model, optimizers, lr_schedulers
 
-    def _accumulates_in_fp32(self, model: nn.Module, module: nn.Module) -> bool:
-        """Whether this fit adds micro-batches up in fp32: asked for, accumulating, one device."""
+    def _accumulates_in_fp32(self, model: nn.Module, module: nn.Module) -> tuple[bool, Any]:
+        """Whether this fit adds micro-batches up in fp32, and the DDP model that averages the sums.
+
+        Asked for and accumulating, on one device or under DDP (whose bucket all-reduce then
+        averages the fp32 sums); off with a warning under other strategies, or where DDP's
+        ``.grad`` is its own bucket (``gradient_as_bucket_view``).
+        """
         trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
         if not self.fp32_grad_accumulation or trainer is None or trainer.accumulate_grad_batches <= 1:
-            return False
+            return False, None
         if isinstance(trainer.strategy, SingleDeviceStrategy):
-            return True
-        # DDP all-reduces the .grad it finds at the last micro-batch; a hook that empties .grad after
-        # every backward would hand it only that micro-batch, so the fp32 path stays single-device.
+            return True, None
+        ddp = model if isinstance(model, DistributedDataParallel) else None
+        if ddp is not None and not ddp.gradient_as_bucket_view:
+            return True, ddp
         rank_zero_warn(_NO_FP32_ACCUMULATION.format(strategy=type(trainer.strategy).__name__))
-        return False
+        return False, None
 
     @override
     def teardown(self) -> None:
@@ -362,8 +376,9 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
 
 _NO_FP32_ACCUMULATION = (
-    "AMPPrecision: fp32 gradient accumulation is off under {strategy} (it runs with single-device "
-    "strategies only); micro-batch gradients add up in the half-precision .grad, rounding each sum. "
+    "AMPPrecision: fp32 gradient accumulation is off under {strategy} (it runs on one device, and "
+    "under DDP without gradient_as_bucket_view or a comm hook of its own); micro-batch gradients add "
+    "up in the half-precision .grad, rounding each sum. "
     "HINT: pass AMPPrecision(fp32_grad_accumulation=False) to silence this, or use fewer, larger "
     "micro-batches."
 )

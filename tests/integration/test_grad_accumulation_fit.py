@@ -129,18 +129,63 @@ def test_the_guard_skips_one_poisoned_window_and_clipping_runs(kwargs: dict[str,
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
-def test_off_under_ddp_with_a_warning() -> None:
-    """DDP all-reduces the ``.grad`` it finds at the last micro-batch: the fp32 path stays off there."""
-    module, plugin = Poisoned(poison=-1), AMPPrecision("bf16-true")
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", plugins=[plugin], logger=False,
-                        max_steps=2, accumulate_grad_batches=2, enable_progress_bar=False,
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"precision": "bf16-true"}, {"precision": "16-mixed", "master_weights": True}],
+    ids=["bf16-true", "O2-fp16"],
+)
+def test_under_ddp_the_step_sees_the_fp32_sum(kwargs: dict[str, Any]) -> None:
+    """DDP reduces the fp32 sums at the last micro-batch (a comm hook) instead of the half ``.grad``."""
+    rows = _micro_gradients()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=1)
+    module = Probe()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", plugins=[AMPPrecision(**kwargs)],
+                        logger=False, max_epochs=1, accumulate_grad_batches=MICRO, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
     try:
-        with pytest.warns(UserWarning, match="fp32 gradient accumulation is off under DDPStrategy"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, loader)
+    finally:  # one in-process rank: the process group it made must not outlive the test
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    (grad,) = module.seen
+    reference = rows.double().sum(0) / MICRO
+    if grad.dtype == torch.float32:
+        assert torch.allclose(grad.double(), reference, rtol=MICRO * 2.0**-24, atol=0)
+    else:
+        assert torch.equal(grad, reference.to(grad.dtype))
+
+
+@pytest.mark.parametrize("case", ["gradient_as_bucket_view", "comm hook"])
+def test_off_under_ddp_where_it_cannot_work_warns(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``gradient_as_bucket_view`` the ``.grad`` is DDP's bucket; DDP takes one comm hook only."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from amp_plugin.grad_accumulation import Fp32GradAccumulation
+
+    if case == "comm hook":  # as Lightning's DDPStrategy(ddp_comm_hook=...) registers one on CUDA
+        ours = Fp32GradAccumulation.reduce_across
+
+        def hooked_first(self: Fp32GradAccumulation, ddp: Any) -> None:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            ours(self, ddp)
+
+        monkeypatch.setattr(Fp32GradAccumulation, "reduce_across", hooked_first)
+    strategy = DDPStrategy(gradient_as_bucket_view=case == "gradient_as_bucket_view")
+    module, plugin = Poisoned(poison=-1), AMPPrecision("bf16-true")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin], logger=False,
+                        max_steps=2, accumulate_grad_batches=2, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+    named = "DDPStrategy" if case == "gradient_as_bucket_view" else "with a comm hook"
+    try:
+        with pytest.warns(UserWarning, match=f"fp32 gradient accumulation is off under .*{named}"):
             trainer.fit(module, _regression())
     finally:  # one in-process rank: the process group it made must not outlive the test
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+    assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
 def test_turned_off_it_adds_up_in_the_half_grad_and_a_non_bool_is_refused() -> None:
