@@ -57,11 +57,11 @@ class Fp32GradAccumulation:
     def __init__(self, params: Iterable[nn.Parameter]) -> None:
         self._sums: dict[int, Tensor] = {}
         self._handles: list[RemovableHandle] = []
-        seen: set[int] = set()
+        self._hooked: set[int] = set()
         for param in params:
-            if id(param) in seen or not param.requires_grad or param.dtype not in _HALF:
+            if id(param) in self._hooked or not param.requires_grad or param.dtype not in _HALF:
                 continue
-            seen.add(id(param))
+            self._hooked.add(id(param))
             self._handles.append(param.register_post_accumulate_grad_hook(self._take))
 
     def __len__(self) -> int:
@@ -110,7 +110,8 @@ class Fp32GradAccumulation:
 
         Registers DDP's communication hook, so call it before the first backward, once per DDP
         model, and not with ``gradient_as_bucket_view=True`` (the ``.grad`` is then DDP's bucket).
-        Parameters without an fp32 sum (fp32 ones, sparse gradients) are averaged as DDP does.
+        Parameters without an fp32 sum (fp32 ones, sparse gradients) are averaged as DDP does; a
+        hooked one that got no gradient on this rank (a branch only other ranks took) sends zeros.
 
         Raises:
             RuntimeError: ``ddp`` has a communication hook already (DDP takes one).
@@ -122,6 +123,7 @@ class Fp32GradAccumulation:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked.clear()
         self._sums.clear()
 
 
@@ -135,12 +137,14 @@ def _average_sums(
     grads: list[Tensor] = bucket.gradients()
     sums, plain = [], False
     for param, grad in zip(bucket.parameters(), grads, strict=True):
-        total = accumulation._sums.get(id(param))
-        if total is None:
+        if id(param) not in accumulation._hooked or grad.is_sparse:
             plain = True
-        else:
-            sums.append(total)
-            grad.zero_()  # a view of the bucket: the .grad DDP writes back adds nothing to the sum
+            continue
+        # A hooked parameter without a sum (no gradient on this rank yet: a branch another rank
+        # took) still sends its zeros, so that every rank's buffer has the same layout.
+        total = accumulation._sums.setdefault(id(param), torch.zeros_like(param, dtype=torch.float32))
+        sums.append(total)
+        grad.zero_()  # a view of the bucket: the .grad DDP writes back adds nothing to the sum
     pending: list[torch.futures.Future[Any]] = []
     if sums:
         flat = torch.cat([total.view(-1) for total in sums]).div_(world)

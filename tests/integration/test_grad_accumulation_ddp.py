@@ -82,3 +82,36 @@ def test_ddp_averages_the_fp32_sums_of_every_rank(tmp_path: Path) -> None:
         assert torch.allclose(torch.tensor(result["s"]), torch.tensor(result["s_expected"]), rtol=1e-6)
         assert result["pending"] == 0
     assert ranks[0]["w"] == ranks[1]["w"] and ranks[0]["s"] == ranks[1]["s"]
+
+
+class _Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        self.u = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+
+    def forward(self, use_u: bool) -> Tensor:
+        return self.w.float().sum() + (self.u.float().sum() if use_u else 0)
+
+
+def _unused_worker(rank: int) -> dict[str, Any]:
+    """``u`` gets gradients on rank 0 only: rank 1 holds no fp32 sum for it when DDP reduces."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _Branches()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    accumulation = Fp32GradAccumulation(model.parameters())
+    accumulation.reduce_across(ddp)
+    with ddp.no_sync():
+        ddp(rank == 0).backward()
+    ddp(rank == 0).backward()
+    accumulation.flush_([(model.w, model.w), (model.u, model.u)])
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return {name: None if g is None else g.float().tolist() for name, g in grads.items()}
+
+
+def test_a_parameter_used_on_one_rank_only_is_averaged_with_zeros(tmp_path: Path) -> None:
+    ranks = run_ranks(_unused_worker, tmp_path, WORLD)
+    for result in ranks:
+        assert result["w"] == [2.0] * 4  # 2 micro-batches of 1 on each rank, averaged
+        assert result["u"] == [1.0] * 4  # rank 0's 2, rank 1's nothing: averaged 1
