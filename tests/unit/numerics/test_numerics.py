@@ -127,7 +127,9 @@ def test_rounding_direction_follows_the_fraction_per_element(dtype: torch.dtype,
     gap = (hi - lo).clamp(min=1e-300)
     p = ((x.double() - lo) / gap).where(hi > lo, 0.0)
     up = ((ys - lo) / gap).where(hi > lo, 0.0).mean(0)
-    assert ((up - p).abs() <= 6 * (p * (1 - p) / 400).sqrt() + 1e-9).all()
+    # 6 standard deviations, plus 6 of the 400 draws: where p is tiny (a fraction of 2**-12, say) the
+    # count of ups is a rare-event count, and 2 ups in 400 (p = 0.5%) broke the normal-only bound.
+    assert ((up - p).abs() <= 6 * (p * (1 - p) / 400).sqrt() + 6 / 400).all()
 
 
 @pytest.mark.parametrize("dtype", HALVES)
