@@ -112,7 +112,8 @@ class HalfWeights:
         :meth:`before_step` hands the step the sum: as the masters' fp32 ``.grad``, or rounded once
         into the half ``.grad`` without masters. Call it after :meth:`convert`. With ``ddp`` (the
         model's ``DistributedDataParallel``, before its first backward) DDP averages the fp32 sums
-        across ranks instead of the half ``.grad``.
+        across ranks instead of the half ``.grad``; where ``ddp`` has a comm hook already, the
+        ``RuntimeError`` comes with accumulation left off.
         """
         if self._accumulation is not None:
             self._accumulation.remove()
@@ -121,9 +122,14 @@ class HalfWeights:
         if not enabled or module is None:
             return
         params = list(module.parameters())
-        self._accumulation = Fp32GradAccumulation(params)
+        accumulation = Fp32GradAccumulation(params)
         if ddp is not None:
-            self._accumulation.reduce_across(ddp)
+            try:
+                accumulation.reduce_across(ddp)
+            except RuntimeError:  # DDP takes one comm hook: leave nothing hooked, then say why
+                accumulation.remove()
+                raise
+        self._accumulation = accumulation
         masters = self.masters if self.master_weights else None
         for param in params:
             master = masters.master_of(param) if masters is not None else None

@@ -151,7 +151,6 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             try:
                 run.half.accumulate_in_fp32(accumulate, ddp)
             except RuntimeError:  # DDP takes one comm hook, and this model has one (ddp_comm_hook=)
-                run.half.accumulate_in_fp32(False)
                 strategy = f"{type(model).__name__} with a comm hook"
                 rank_zero_warn(_NO_FP32_ACCUMULATION.format(strategy=strategy))
         lbfgs = any(map(checks.is_lbfgs, optimizers))
