@@ -8,6 +8,7 @@
 #   TESTS    what pytest runs (default: the whole suite, apex-marked tests apart); "none" skips it
 #   SUITE_S / CUDA_S   the suite's and the cuda/apex tests' time limits in seconds
 #   CUDA=0   skip the cuda/apex-marked tests
+#   MAX_JOBS the amp_C build's compile jobs (default 4: the suite runs beside it)
 #   AFTER    a shell command run once the tests are done, with amp_C on PYTHONPATH (benchmarks)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONHASHSEED=0
@@ -16,7 +17,7 @@ t0=$(date +%s); log() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 {
 log machine; nvidia-smi -L
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || log "no torchao"
-( MAX_JOBS=4 TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')" \
+( MAX_JOBS=${MAX_JOBS:-4} TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')" \
   timeout 200 python3 .gpu/build_amp_c.py .gpu/apex_src /tmp/ampc > "$OUT/build.log" 2>&1; echo "build rc=$?" >> "$OUT/build.log"
   log "amp_C built"
   [ "${CUDA:-1}" = 0 ] && exit 0
