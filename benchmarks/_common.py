@@ -1,7 +1,7 @@
 """Helpers shared by the benchmark scripts: device choice, timing, tables, JSON.
 
-Timing protocol: every case is timed in rounds that interleave all cases (the order
-rotates each round), after warm-up rounds that are thrown away; a case's result is the
+Timing protocol: every case is timed in rounds that interleave all cases (``round_order``: the
+order rotates, and runs backwards every other round), after warm-up rounds that are thrown away; a
 median of its samples. Interleaving means a burst of load from another process on the
 machine hits every case alike instead of one case's block, so ratios stay meaningful.
 ``setup``/``teardown`` run outside the timed region, and on CUDA the device is
@@ -23,9 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 __all__ = [
     "Case",
@@ -34,6 +36,7 @@ __all__ = [
     "format_table",
     "measure",
     "median_ms",
+    "round_order",
     "synchronize",
     "write_json",
 ]
@@ -58,6 +61,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def round_order(cases: Sequence[T], round_index: int) -> list[T]:
+    """The cases' order in round ``round_index``: rotated by ``round_index // 2``, reversed in odd rounds.
+
+    Every two rounds run each pair of cases once in each order, so a drift in time (a machine that
+    warms up, a process that slows down fit after fit) cannot favour the case that runs first,
+    as plain rotation does with fewer rounds than cases.
+
+    Example:
+        >>> [round_order("abc", r) for r in range(4)]
+        [['a', 'b', 'c'], ['c', 'b', 'a'], ['b', 'c', 'a'], ['a', 'c', 'b']]
+    """
+    shift = (round_index // 2) % len(cases) if cases else 0
+    order = [*cases[shift:], *cases[:shift]]
+    return order[::-1] if round_index % 2 else order
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for queued device work; a no-op on CPU, where every op has finished on return."""
     if torch.device(device).type == "cuda":
@@ -80,8 +99,7 @@ def measure(
     gc.disable()
     try:
         for round_index in range(warmup + repeats):
-            shift = round_index % len(cases)
-            for case in [*cases[shift:], *cases[:shift]]:
+            for case in round_order(cases, round_index):
                 case.setup()
                 synchronize(device)
                 start = time.perf_counter()

@@ -11,10 +11,10 @@ gradients add up in fp32) and ``False`` (they add up in the half ``.grad``, as i
 
 plus an fp32 run (``"32-true"``, the same accumulation) as the reference curve.
 
-Cost: fits of ``--steps`` optimizer steps, interleaved (the order rotates each round), each
-timed from the end of optimizer step ``--skip`` to its last; a set-up's time per optimizer step
-is the median over its timed steps, pooled over ``--repeats`` fits; the ratio is on / off of the
-same weights. Target: fp32 accumulation costs at most 2% of a step.
+Cost: fits of ``--steps`` optimizer steps, interleaved (the order rotates, and runs backwards
+every other round), each timed from the end of optimizer step ``--skip`` to its last; a set-up's
+time per optimizer step is the median over its timed steps, pooled over ``--repeats`` fits; the
+ratio is on / off of the same weights. Target: fp32 accumulation costs at most 2% of a step.
 
 Curves: the loss of every optimizer step (the mean over its micro-batches) of the first round's
 fits (the runs are seeded: later rounds repeat them), printed at a few steps and as the mean of
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import environment, format_table, write_json
+from _common import environment, format_table, round_order, write_json
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 
@@ -128,8 +128,7 @@ def main() -> None:
     curves: dict[str, list[float]] = {}
     _fit(setups[0], args, data, config)  # warm-up: imports, allocator, thread pools
     for round_index in range(args.repeats):
-        shift = round_index % len(setups)
-        for setup in setups[shift:] + setups[:shift]:
+        for setup in round_order(setups, round_index):
             log = _fit(setup, args, data, config)
             stamps = log.stamps[args.skip - 1 :]
             step_s[setup] += [b - a for a, b in itertools.pairwise(stamps)]

@@ -5,11 +5,11 @@ schedule, ``gradient_clip_val=1.0``, ``log_every_n_steps=10``, a CSV logger; no 
 no progress bar, which would only add noise) trains three ways: no monitor, the monitor
 (tracing off), the monitor with ``trace_nonfinite=True``. One sample is one ``Trainer.fit`` of
 ``--steps`` steps; its rate is taken from the end of step ``--skip`` to the end of the last step
-(set-up and the first steps excluded). Samples interleave, rotating the order each round. A
-configuration's rate is one over the median of all its step times (pooled over its samples):
-on a shared machine a burst of load slows some steps, and the median of steps shrugs that off
-better than the median of whole fits. The monitor's own hook time is also measured directly
-(a timed subclass): that is the overhead without the machine's noise.
+(set-up and the first steps excluded). Samples interleave: the order rotates, and runs backwards
+every other round. A configuration's rate is one over the median of all its step times (pooled
+over its samples): on a shared machine a burst of load slows some steps, and the median of steps
+shrugs that off better than the median of whole fits. The monitor's own hook time is also measured
+directly (a timed subclass): that is the overhead without the machine's noise.
 
     python benchmarks/monitor_overhead.py                  # table
     python benchmarks/monitor_overhead.py --json out.json  # table + JSON
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import default_device, environment, format_table, write_json
+from _common import default_device, environment, format_table, round_order, write_json
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
@@ -126,8 +126,7 @@ def main() -> None:
     rates: dict[str, list[float]] = {c: [] for c in CONFIGS}  # per sample, for the spread
     hooks: dict[str, list[float]] = {c: [] for c in CONFIGS}
     for round_index in range(args.repeats):
-        shift = round_index % len(CONFIGS)
-        for config in CONFIGS[shift:] + CONFIGS[:shift]:
+        for config in round_order(CONFIGS, round_index):
             times, hook_us = _fit(config, args, data)
             step_s[config] += times
             rates[config].append(1 / statistics.median(times))

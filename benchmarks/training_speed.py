@@ -28,11 +28,11 @@ except the fused-AdamW runs, which do not clip: Lightning's MixedPrecision refus
 optimizer that unscales inside its step ("does not allow for gradient clipping"), bf16 too.
 A callback times each training batch (forward, backward, clipping, optimizer step) after ``--warmup`` batches;
 Trainer start-up is not timed, and a run's samples/s is the batch size over its median step
-time. The set-ups of a model run in rotating order in each round, and a ratio is the median
-over rounds of the per-round ratio, so a burst of load from another process hits the
-set-ups of a round alike. Lightning's ``MixedPrecision`` is the reference for both dtypes
-(``Trainer(precision="16-mixed")`` would be bf16 on CPU, so its fp16 is built as
-``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``).
+time. The set-ups of a model run in an order that rotates and runs backwards every other
+round (each pair runs both ways), and a ratio is the median over rounds of the per-round ratio,
+so a burst of load from another process hits the set-ups of a round alike. Lightning's
+``MixedPrecision`` is the reference for both dtypes (``Trainer(precision="16-mixed")`` would be
+bf16 on CPU, so its fp16 is built as ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``).
 
 Host reads: a separate short run of each set-up (not a timed one) counts the host reads of
 each training step, ``torch.ops.aten._local_scalar_dense`` calls (``.item()``, ``bool(tensor)``:
@@ -66,7 +66,15 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from _common import default_device, environment, format_table, load_example, synchronize, write_json
+from _common import (
+    default_device,
+    environment,
+    format_table,
+    load_example,
+    round_order,
+    synchronize,
+    write_json,
+)
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
@@ -390,8 +398,7 @@ def run_workload(workload: Workload, device: str, rounds: int, warmup: int) -> l
     reads = {setup: count_host_reads(workload, setup, device) for setup in workload.setups}
     per_round: dict[str, list[float]] = {setup: [] for setup in workload.setups}
     for r in range(rounds):
-        order = [*workload.setups[r % len(workload.setups) :], *workload.setups[: r % len(workload.setups)]]
-        for setup in order:
+        for setup in round_order(workload.setups, r):
             per_round[setup].append(train_once(workload, setup, device, warmup))
         print(
             f"  {workload.name} ({workload.optimizer}) round {r + 1}/{rounds} done",

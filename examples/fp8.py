@@ -23,7 +23,6 @@ import argparse
 import logging
 import os
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # CPU: torcha
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from quickstart import quiet_lightning
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -38,21 +38,15 @@ from amp_plugin import AMPPrecision
 from amp_plugin.fp8 import RECIPES, Float8
 
 VOCAB, SEQ = 128, 32
-# Lightning's hardware banner, its advert and its end-of-fit notice: nothing this comparison needs.
-_BANNERS = ("available:", "Tip: For seamless cloud logging", "`Trainer.fit` stopped")
 
 
 def quiet() -> None:
     """Keep the console to AMPPrecision's fp8 layer report, the loss table and the summary."""
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: not any(banner in record.getMessage() for banner in _BANNERS)
-    )
+    quiet_lightning()  # Lightning's banners and its advice on workers and TF32: nothing this comparison needs
     # torchao's import says which optional CUDA extensions it skipped, and torch that torchao
     # registers an enum it no longer needs to: neither is about this model.
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; nothing a user can act on.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 class Block(nn.Module):

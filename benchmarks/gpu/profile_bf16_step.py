@@ -5,7 +5,8 @@ slower than another on a GPU. The quickstart's transformer, widened (12 layers o
 tokens, batch 16; ``--quick``: 2 x 64, 32 tokens, batch 8), trains with fused AdamW and a
 step-interval OneCycle schedule in ``Trainer.fit`` under four set-ups: ``mp`` (``MixedPrecision``
 bf16), ``amp`` (``AMPPrecision`` bf16: guarded, ``lr_on_skip="hold"``), ``amp-advance``
-(``lr_on_skip="advance"``) and ``amp-noguard`` (``guard=False``). Per set-up, in rotating order:
+(``lr_on_skip="advance"``) and ``amp-noguard`` (``guard=False``). Per set-up, in an order that
+rotates and runs backwards every other round:
 
 * free ms: the mean step over the timed batches with one device sync at each end (the host may
   run ahead of the GPU, as in real training);
@@ -34,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared helpers
 import torch
-from _common import environment, format_table, load_example, synchronize
+from _common import environment, format_table, load_example, round_order, synchronize
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     free: dict[str, list[float]] = collections.defaultdict(list)
     synced: dict[str, list[float]] = collections.defaultdict(list)
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in round_order(names, r):
             free[name].append(fit(name, synced=False, profile=False).free_s * 1e3)
             synced[name].append(statistics.median(fit(name, synced=True, profile=False).batch_s) * 1e3)
     results: dict[str, dict[str, Any]] = {}

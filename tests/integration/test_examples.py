@@ -29,8 +29,16 @@ def _assert_readable(script: str, output: str) -> None:
     assert not noisy, f"{script}: noise in the output:\n" + "\n".join(noisy)
 
 
+# Run as if on a 16-core machine (a GPU machine's CPU): Lightning's advice that depends on the core
+# count (more DataLoader workers) must not reach the console there either.
+_MANY_CORES = "import os\nos.cpu_count = lambda: 16\nos.sched_getaffinity = lambda pid: set(range(16))\n"
+
+
 def _run(script: str, *args: str, cwd: Path, omp_threads: str | None = "1") -> str:
     env = dict(os.environ)
+    (cwd / "_many_cores").mkdir(exist_ok=True)
+    (cwd / "_many_cores" / "sitecustomize.py").write_text(_MANY_CORES)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd / "_many_cores"), env.get("PYTHONPATH")]))
     # One intra-op thread: next to other test processes, a second OpenMP thread that waits for a
     # core makes every op wait a scheduler slice, and a 4 s run takes a minute.
     env.pop("OMP_NUM_THREADS", None)
@@ -285,9 +293,11 @@ def test_fp8_example_trains_both_and_reports_the_layers(tmp_path: Path) -> None:
 
 
 def test_fp8_example_without_torchao_says_what_to_install(tmp_path: Path) -> None:
-    # torchao blocked in sys.modules (import fails), as on a machine without it.
+    # torchao blocked in sys.modules (import fails), as on a machine without it; the examples folder
+    # first on sys.path, as `python examples/fp8.py` puts it.
     code = (
-        "import runpy, sys; sys.modules['torchao'] = None; sys.argv = ['fp8.py', '--smoke']; "
+        f"import runpy, sys; sys.path.insert(0, {str(EXAMPLES)!r}); sys.modules['torchao'] = None; "
+        "sys.argv = ['fp8.py', '--smoke']; "
         f"runpy.run_path({str(EXAMPLES / 'fp8.py')!r}, run_name='__main__')"
     )
     proc = subprocess.run(
