@@ -8,10 +8,14 @@ nothing here imports Lightning.
 
 from __future__ import annotations
 
+import copy
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from amp_plugin._validation import fail
 
@@ -29,6 +33,34 @@ class _StepSkips(Protocol):
     def known_skip(self, optimizer: Any) -> bool | None: ...
 
     def step_skipped(self, optimizer: Any) -> bool: ...
+
+    def deferred_skip(self, optimizer: Any) -> bool | Callable[[], bool]: ...
+
+    def before_next_step(self, callback: Callable[[], None]) -> None: ...
+
+
+class _Undo:
+    """What a scheduler's step changes, as it was before: the scheduler's state and its optimizer's groups."""
+
+    def __init__(self, scheduler: Any, optimizer: Any) -> None:
+        self.state = copy.deepcopy(scheduler.state_dict())
+        self.groups = [
+            {
+                k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+                for k, v in group.items()
+                if k != "params"
+            }
+            for group in optimizer.param_groups
+        ]
+
+    def apply(self, scheduler: Any, optimizer: Any) -> None:
+        scheduler.load_state_dict(self.state)
+        for group, saved in zip(optimizer.param_groups, self.groups, strict=True):
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and isinstance(group.get(key), Tensor):
+                    group[key].copy_(value)  # a tensor lr (fused, capturable) keeps its identity
+                else:
+                    group[key] = value
 
 
 class SkipAwareScheduler:
@@ -87,14 +119,23 @@ class SkipAwareScheduler:
         self.__dict__["_scheduler"] = scheduler
         self.__dict__["_steps"] = steps
         self.__dict__["_lr_on_skip"] = lr_on_skip
+        self.__dict__["_pending"] = None  # (whether the step was skipped, the undo of the advance)
+        optimizer = getattr(scheduler, "optimizer", None)
+        if lr_on_skip == "hold" and isinstance(optimizer, torch.optim.Optimizer):
+            # A checkpoint saves the optimizer before the scheduler: its groups must be settled too.
+            optimizer.register_state_dict_pre_hook(_settles(weakref.ref(self)))
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the wrapped scheduler unless its optimizer's step was skipped and the plugin holds.
 
-        The hold is on the skipped step itself. Where the step read its skip flag already
-        (non-fused optimizers) this costs nothing; a fused optimizer skips on the device, and
-        holding then costs one host read of its flag per step (shared with every later reader of
-        it). ``lr_on_skip="advance"`` never reads.
+        The hold is on the skipped step itself: the next optimizer step runs with the LR the
+        skipped one had. Where the step read its skip flag already (non-fused optimizers, and
+        any optimizer on a CPU) this costs nothing. A fused optimizer on an accelerator skips on
+        the device: its flag is copied to the host behind the step, without waiting, and the
+        scheduler advances at once; the next optimizer step (or anything that reads the scheduler
+        or saves the optimizer first) reads that copy, by then done, and takes the advance back if
+        the step was skipped. Until then the optimizer's ``param_groups`` show the advanced LR.
+        ``lr_on_skip="advance"`` never reads.
         """
         optimizer = getattr(self._scheduler, "optimizer", None)
         steps = self._steps
@@ -102,10 +143,35 @@ class SkipAwareScheduler:
         if self._lr_on_skip == "advance":
             self._advance(bool(known), *args, **kwargs)  # a fused step called optimizer.step(): no warning
             return
-        if known is None:  # a fused step: its flag is read here, on the step it describes
-            known = steps.step_skipped(optimizer)
-        if not known:
+        if known is None:  # a fused step's device flag
+            known = steps.deferred_skip(optimizer)
+        if callable(known):  # not known without waiting: advance now, take it back if it was skipped
+            self._advance_until_known(known, optimizer, *args, **kwargs)
+        elif not known:
             self._scheduler.step(*args, **kwargs)
+
+    def settle(self) -> None:
+        """Take back the last advance if its step turns out skipped (waits for that step's flag alone).
+
+        Runs at the start of the next optimizer step, and before anything else reads the scheduler
+        (its state dict, ``get_last_lr``, any attribute) or the optimizer's state dict.
+        """
+        pending = self.__dict__["_pending"]
+        if pending is None:
+            return
+        self.__dict__["_pending"] = None
+        skipped, undo = pending
+        if skipped():
+            undo.apply(self._scheduler, self._scheduler.optimizer)
+
+    def _advance_until_known(
+        self, skipped: Callable[[], bool], optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        self.settle()  # stepped twice with no optimizer step between: the first is settled at once
+        undo = _Undo(self._scheduler, optimizer)
+        self._scheduler.step(*args, **kwargs)
+        self.__dict__["_pending"] = (skipped, undo)
+        self._steps.before_next_step(self.settle)
 
     def _advance(self, skipped: bool, *args: Any, **kwargs: Any) -> None:
         if not skipped:
@@ -119,7 +185,27 @@ class SkipAwareScheduler:
         # copy and pickle probe a bare instance (no _scheduler yet) for __setstate__ and the like.
         if name.startswith("__") or "_scheduler" not in self.__dict__:
             raise AttributeError(name)
+        self.settle()  # whoever reads the scheduler sees where it is, not where it may be taken back from
         return getattr(self._scheduler, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        self.settle()
         setattr(self._scheduler, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.settle()
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _settles(wrapper: weakref.ref[SkipAwareScheduler]) -> Callable[[Any], None]:
+    """An optimizer state-dict pre-hook that settles the wrapper's pending advance, while it lives."""
+
+    def hook(optimizer: Any) -> None:
+        alive = wrapper()
+        if alive is not None:
+            alive.settle()
+
+    return hook

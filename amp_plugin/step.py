@@ -82,6 +82,7 @@ class StepDriver:
         self._stepped_in_batch = False
         self._in_batch: list[Skip] = []  # the flags of this batch's steps, until its scale update
         self._batch: Skip = False  # whether the last updated batch skipped a step
+        self._before_next: list[Callable[[], None]] = []  # run once, before the next step of any optimizer
 
     def backward_done(self) -> None:
         """A backward ran: every optimizer may step (again) on its gradients."""
@@ -90,6 +91,7 @@ class StepDriver:
     def not_stepped(self, optimizer: Any, run_hooks: Callable[[], Any]) -> None:
         """``training_step`` returned ``None``: run the hooks; nothing steps; the batch counts as skipped."""
         opt = unwrap_optimizer(optimizer)
+        self._run_before_next()
         run_hooks()
         if self.scaler is not None:
             self.scaler.forget(opt)  # nothing of this batch may be taken for the next one's state
@@ -118,6 +120,7 @@ class StepDriver:
             kwargs: passed on to ``optimizer.step``.
         """
         opt = unwrap_optimizer(optimizer)
+        self._run_before_next()
         if self.before_step is not None:
             self.before_step(opt)
         scaler = self.scaler
@@ -199,6 +202,36 @@ class StepDriver:
         """:meth:`step_skipped` where it is known without a host read; ``None`` for a fused step's flag."""
         flag = self._skips.get(id(unwrap_optimizer(optimizer)), False)
         return flag if isinstance(flag, bool) else None
+
+    def deferred_skip(self, optimizer: Any) -> bool | Callable[[], bool]:
+        """:meth:`step_skipped` without waiting for the device: a bool where it is known now, else a function.
+
+        A host bool is known, and so is a CPU flag (a CPU op has finished when it returns). A flag
+        on an accelerator starts on its way to pinned host memory behind the step's kernels, and
+        the returned function waits for that copy alone: called once the next step's work is
+        queued, it finds it done, where :meth:`step_skipped` would wait for everything queued.
+        """
+        flag = self._skips.get(id(unwrap_optimizer(optimizer)), False)
+        if isinstance(flag, bool) or flag.device.type == "cpu":
+            return self.step_skipped(optimizer)
+        host = flag.to("cpu", non_blocking=True)
+        done = torch.Event(flag.device)
+        done.record()
+
+        def skipped() -> bool:
+            done.synchronize()
+            return bool(host)
+
+        return skipped
+
+    def before_next_step(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, at the start of the next :meth:`step` (or :meth:`not_stepped`)."""
+        self._before_next.append(callback)
+
+    def _run_before_next(self) -> None:
+        callbacks, self._before_next = self._before_next, []
+        for callback in callbacks:
+            callback()
 
     @property
     def skipped_steps_seen(self) -> int:

@@ -4,6 +4,11 @@ The oracle is the same fit with a non-fused AdamW, whose skip is decided on the 
 the start of every step must be the same with ``AdamW(fused=True)``, in every precision. And a fit
 resumed from a checkpoint written after a skipped step ends bit-exactly where the uninterrupted
 fit ends: weights, optimizer state, scheduler and skip count.
+
+On a GPU a fused step's flag is not read at the scheduler's step (that would wait for the whole
+step): the scheduler advances, and the next optimizer step takes the advance back if the flag,
+copied to the host meanwhile, says skipped. On a CPU the flag is known at once; the tests marked
+"deferred" make it wait as on a GPU, and hold the LR each optimizer step uses to the oracle.
 """
 
 from __future__ import annotations
@@ -18,18 +23,20 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
+from amp_plugin.step import StepDriver
 
 BATCHES = 5  # per epoch
 POISONED = (3, 7)  # global batch indices whose gradients hold an inf
 
 
 class _Model(LightningModule):
-    def __init__(self, fused: bool) -> None:
+    def __init__(self, fused: bool, poisoned: tuple[int, ...] = POISONED) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        self.fused = fused
+        self.fused, self.poisoned = fused, poisoned
         self.lrs: list[float] = []  # the LR at the start of each step
+        self.stepped_lrs: list[float] = []  # the LR each optimizer step was given
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -39,13 +46,26 @@ class _Model(LightningModule):
         return nn.functional.mse_loss(self.net(x).float(), y)
 
     def on_after_backward(self) -> None:
-        if self.trainer.fit_loop.total_batch_idx in POISONED:
+        if self.trainer.fit_loop.total_batch_idx in self.poisoned:
             self.net[2].weight.grad[0, 3] = float("inf")
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+        opt.register_step_pre_hook(lambda o, args, kwargs: self.stepped_lrs.append(o.param_groups[0]["lr"]))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.fixture
+def deferred(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused step's flag is answered later, as on a GPU (the value is the same; its timing is not)."""
+    known_now = StepDriver.deferred_skip
+
+    def later(self: StepDriver, optimizer: Any) -> Any:
+        value = known_now(self, optimizer)
+        return value if callable(value) else (lambda: value)
+
+    monkeypatch.setattr(StepDriver, "deferred_skip", later)
 
 
 def _loader() -> DataLoader:
@@ -110,6 +130,54 @@ def test_a_resume_across_a_skip_with_fused_adamw_is_bit_exact(precision: str, tm
     ckpt = tmp_path / "after_skip.ckpt"
     trainer.save_checkpoint(ckpt)
     resumed, monitor = _Model(fused=True), LossScaleMonitor()
+    trainer = _trainer(precision, epochs=3, callbacks=[monitor])
+    trainer.fit(resumed, _loader(), ckpt_path=ckpt)
+    got = _state(resumed, trainer, monitor)
+
+    for key in ("last_epoch", "lr", "skipped", "health"):
+        assert got[key] == expected[key], key
+    assert all(torch.equal(a, b) for a, b in zip(got["weights"], expected["weights"], strict=True))
+    for a, b in zip(got["adam"], expected["adam"], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.filterwarnings("ignore:.*emulates.*")
+def test_deferred_each_fused_step_gets_the_held_lr(precision: str, deferred: None) -> None:
+    stepped = {}
+    for fused in (False, True):
+        model = _Model(fused)
+        trainer = _trainer(precision, epochs=2)
+        trainer.fit(model, _loader())
+        stepped[fused] = model.stepped_lrs
+        sched = trainer.lr_scheduler_configs[0].scheduler
+        assert sched.last_epoch == 2 * BATCHES - len(POISONED)  # type: ignore[union-attr]
+    # A non-fused skipped step never calls optimizer.step(); a fused one does, with the held LR.
+    taken = [lr for i, lr in enumerate(stepped[True]) if i not in POISONED]
+    assert len(stepped[True]) == 2 * BATCHES and taken == stepped[False]
+    assert all(stepped[True][p] == stepped[True][p + 1] for p in POISONED)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.filterwarnings("ignore:.*emulates.*")
+def test_deferred_a_checkpoint_written_right_after_a_skipped_step_resumes_bit_exactly(
+    precision: str, tmp_path: Path, deferred: None
+) -> None:
+    poisoned = (2, 4)  # batch 4 ends epoch 1: the checkpoint is written with its skip not yet read
+    whole, monitor = _Model(fused=True, poisoned=poisoned), LossScaleMonitor()
+    trainer = _trainer(precision, epochs=3, callbacks=[monitor])
+    trainer.fit(whole, _loader())
+    expected = _state(whole, trainer, monitor)
+
+    first = _Model(fused=True, poisoned=poisoned)
+    trainer = _trainer(precision, epochs=1, callbacks=[LossScaleMonitor()])
+    trainer.fit(first, _loader())
+    ckpt = tmp_path / "after_skip.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["lr_schedulers"][0]["last_epoch"] == BATCHES - len(poisoned)
+    assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(1e-2 * 0.8**3)
+    resumed, monitor = _Model(fused=True, poisoned=poisoned), LossScaleMonitor()
     trainer = _trainer(precision, epochs=3, callbacks=[monitor])
     trainer.fit(resumed, _loader(), ckpt_path=ckpt)
     got = _state(resumed, trainer, monitor)

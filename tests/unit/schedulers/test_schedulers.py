@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -129,6 +130,38 @@ class _FusedPlugin(_Plugin):
         self.reads += 1
         return self.skips.pop(0)
 
+    def deferred_skip(self, optimizer: Any) -> bool | Callable[[], bool]:
+        return self.step_skipped(optimizer)  # a CPU flag: known at once
+
+    def before_next_step(self, callback: Callable[[], None]) -> None:
+        raise AssertionError("nothing is left for the next step when the flag is known")
+
+
+class _DeviceFlags(_FusedPlugin):
+    """A fused optimizer's flag on an accelerator: known only once read, which the test does by hand."""
+
+    def __init__(self, skips: list[bool]) -> None:
+        super().__init__(skips)
+        self.waiting: list[Callable[[], None]] = []
+
+    def deferred_skip(self, optimizer: Any) -> bool | Callable[[], bool]:
+        skipped = self.skips.pop(0)
+
+        def read() -> bool:
+            self.reads += 1
+            return skipped
+
+        return read
+
+    def before_next_step(self, callback: Callable[[], None]) -> None:
+        self.waiting.append(callback)
+
+    def next_step(self) -> None:
+        """What the step driver does as the next optimizer step starts."""
+        waiting, self.waiting = self.waiting, []
+        for callback in waiting:
+            callback()
+
 
 def test_with_a_fused_optimizer_the_scheduler_holds_on_the_skipped_step_with_one_read() -> None:
     plugin = _FusedPlugin([False, True, False])
@@ -163,3 +196,94 @@ def test_what_is_not_a_scheduler_is_refused_at_once(scheduler: Any, match: str) 
     # Accepted before, an optimizer was stepped again by every scheduler.step() of the wrapper.
     with pytest.raises(TypeError, match=match):
         SkipAwareScheduler(scheduler, _Plugin(False))
+
+
+def _one_cycle(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=20, pct_start=0.3)
+
+
+def _adamw() -> torch.optim.Optimizer:
+    return torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+
+
+def test_a_device_flag_is_read_at_the_next_step_and_a_skipped_steps_advance_taken_back() -> None:
+    """The LR each step uses, the scheduler's state and the groups match a hold that read at once.
+
+    OneCycleLR moves AdamW's betas too (cycle_momentum): the groups are restored whole.
+    """
+    skips = [False, True, True, False, True, False, False, True, False, False]
+    held_opt, lazy_opt = _adamw(), _adamw()
+    held = SkipAwareScheduler(_one_cycle(held_opt), _FusedPlugin(list(skips)))
+    device = _DeviceFlags(list(skips))
+    lazy = SkipAwareScheduler(_one_cycle(lazy_opt), device)
+    for step in range(len(skips)):
+        device.next_step()  # the next optimizer step starts: the last flag is read now
+        assert lazy_opt.param_groups[0]["lr"] == held_opt.param_groups[0]["lr"], step
+        assert lazy_opt.param_groups[0]["betas"] == held_opt.param_groups[0]["betas"], step
+        held.step()
+        lazy.step()  # advances at once: nothing read
+        assert device.reads == step
+    assert lazy.state_dict() == held.state_dict()  # reading the scheduler settles the last step
+    assert device.reads == len(skips)
+    assert lazy_opt.state_dict()["param_groups"] == held_opt.state_dict()["param_groups"]
+
+
+def test_the_optimizers_state_dict_settles_first_as_a_checkpoint_saves_it_before_the_scheduler() -> None:
+    opt = _adamw()
+    device = _DeviceFlags([True])
+    scheduler = SkipAwareScheduler(_one_cycle(opt), device)
+    first_lr = opt.param_groups[0]["lr"]
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] != first_lr  # advanced, not yet known to be skipped
+    assert opt.state_dict()["param_groups"][0]["lr"] == first_lr and device.reads == 1
+    assert scheduler.last_epoch == 0
+
+
+def test_a_second_scheduler_step_before_the_next_optimizer_step_settles_the_first() -> None:
+    opt = _adamw()
+    device = _DeviceFlags([True, False])
+    scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), device)
+    scheduler.step()
+    scheduler.step()  # manual optimization may do this; the first advance is settled at once
+    device.next_step()
+    assert scheduler.last_epoch == 1 and device.reads == 2
+
+
+def test_a_wrapper_with_a_pending_advance_pickles_settled() -> None:
+    opt = _adamw()
+    scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), _DeviceFlags([True]))
+    scheduler.step()
+    clone = pickle.loads(pickle.dumps(scheduler, protocol=pickle.HIGHEST_PROTOCOL))
+    assert clone.last_epoch == 0 and clone.get_last_lr() == [1.0]
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_hold_leaves_the_gpu_running_and_still_holds_a_skipped_step() -> None:
+    """The scheduler steps while the GPU is still busy with the step (no wait), and is exact after."""
+    from torch import nn
+
+    from amp_plugin import LossScaler
+    from amp_plugin.step import StepDriver
+
+    driver = StepDriver(LossScaler("cuda", init_scale=1.0, dynamic=False))  # the guard
+    model = nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0, fused=True)
+    scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), driver, "hold")
+    lrs = []
+    for step in range(4):
+        driver.scaler.scale(model(torch.randn(8, 64, device="cuda")).sum()).backward()
+        if step == 1:
+            model.weight.grad[0, 0] = float("inf")
+        torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU work ahead of the step
+        torch.cuda.set_sync_debug_mode("error")  # a synchronising call raises
+        try:
+            driver.step(opt, lambda: False)
+            lrs.append(opt.param_groups[0]["lr"])  # settled at the step's start: the LR it runs with
+            scheduler.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert not torch.cuda.current_stream().query(), "the scheduler waited for the GPU"
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    assert lrs == [1.0, 0.5, 0.5, 0.25]  # step 1 was skipped: step 2 runs with its LR
+    assert scheduler.last_epoch == 3 and driver.scaler.skipped_steps == 1
