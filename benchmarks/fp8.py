@@ -20,14 +20,15 @@ per Linear at 8k tokens x 4096, more at >= 16k tokens with K, N >= 8192):
   70b-layer   one Llama-3-70B-like block: width 8192, 64 / 8 heads, SwiGLU FFN 28672, on random
               activations of ``--tokens`` tokens (no embedding, no head)
 
-(no rotary embedding: it is elementwise work, the same in every case.) Each shape runs three
-cases in the same interleaved rounds: ``bf16`` (Fabric's ``MixedPrecision("bf16-mixed")``),
-``torchao`` (the same, the block Linears converted by hand with torchao's
-``convert_to_float8_training``) and ``AMPPrecision`` (``amp_plugin.fabric.AMPPrecision(
-"bf16-mixed", fp8=Float8(recipe, filter=...))``: the same layers, converted by the plugin, and
-every step guarded). ``vs bf16`` and ``vs torchao`` are ratios of the median step times in the
-table (above 1: faster). Targets (tensorwise): >= 1.15x bf16 on the 8B-like blocks, >= 1.3x on
-the 70B-like layer, and the plugin >= 0.98x torchao by hand.
+(no rotary embedding: it is elementwise work, the same in every case.) Each shape runs four cases
+in the same interleaved rounds: ``bf16`` (Fabric's ``MixedPrecision("bf16-mixed")``), ``torchao``
+(the same, the block Linears converted by hand with torchao's ``convert_to_float8_training``),
+``AMPPrecision`` (``amp_plugin.fabric.AMPPrecision("bf16-mixed", fp8=Float8(recipe, filter=...))``:
+the same layers, converted by the plugin, and every step guarded, its default: one
+read of the fp32 gradients per step, which torchao's loop does not make) and ``AMPPrecision ...,
+guard off`` (``guard=False``: the conversion alone). ``vs bf16`` and ``vs torchao`` are ratios of
+the median step times in the table (above 1: faster). Targets (tensorwise): >= 1.15x bf16 on the
+8B-like blocks, >= 1.3x on the 70B-like layer, and the plugin >= 0.98x torchao by hand.
 
 Without such a GPU the speed rows are skipped with a note; with ``--quick`` they run at a tiny
 size instead (on the CPU, eager): a smoke run of the code path whose numbers mean nothing.
@@ -228,6 +229,13 @@ def _fabric(plugin: Any, device: str) -> Any:
     return Fabric(accelerator=device, devices=1, plugins=[plugin])
 
 
+# The cases per recipe besides bf16: torchao's conversion by hand, the plugin as users run it (the
+# guard reads the gradients once per step, a cost torchao's loop does not pay) and the plugin with
+# the guard off (the conversion alone, against torchao's).
+LABELS = ("torchao", "AMPPrecision", "AMPPrecision (guard off)")
+_UNGUARDED = ", guard off"
+
+
 def build_case(label: str, recipe: str, shape: Shape, device: str, compiled: bool) -> Case:
     """One case's model, optimizer and Fabric, set up; its ``run`` is one training step."""
     from lightning.fabric.plugins.precision import MixedPrecision
@@ -243,8 +251,9 @@ def build_case(label: str, recipe: str, shape: Shape, device: str, compiled: boo
 
         config = Float8LinearConfig.from_recipe_name(recipe)
         convert_to_float8_training(model, module_filter_fn=in_blocks, config=config)
-    if label == "AMPPrecision":
-        plugin: Any = AMPPrecision("bf16-mixed", device=device, fp8=Float8(recipe, filter=in_blocks))
+    if label.startswith("AMPPrecision"):  # "AMPPrecision" guards the step (its default); the other not
+        fp8 = Float8(recipe, filter=in_blocks)
+        plugin: Any = AMPPrecision("bf16-mixed", device=device, fp8=fp8, guard=label == "AMPPrecision")
     else:
         plugin = MixedPrecision("bf16-mixed", device)
     fabric = _fabric(plugin, device)
@@ -270,7 +279,8 @@ def build_case(label: str, recipe: str, shape: Shape, device: str, compiled: boo
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    name = "bf16" if label == "bf16" else f"{label} fp8 {recipe}"
+    name = "bf16" if label == "bf16" else f"{label.split()[0]} fp8 {recipe}"
+    name += _UNGUARDED if "guard off" in label else ""
     return Case(name, step)
 
 
@@ -280,7 +290,7 @@ def time_shape(
     """The bf16, torchao and AMPPrecision cases of ``shape``, timed in the same interleaved rounds."""
     cases = [build_case("bf16", "", shape, device, compiled)]
     for recipe in recipes:
-        cases += [build_case(label, recipe, shape, device, compiled) for label in ("torchao", "AMPPrecision")]
+        cases += [build_case(label, recipe, shape, device, compiled) for label in LABELS]
     first_s = {}
     for case in cases:  # the first step compiles: timed apart, so its cost is known
         started = time.perf_counter()
@@ -301,7 +311,8 @@ def time_shape(
             "first_step_s": first_s[case.name],
         }
         if case.name.startswith("AMPPrecision"):
-            row["vs_torchao"] = ms[case.name.replace("AMPPrecision", "torchao")] / ms[case.name]
+            torchao = case.name.replace("AMPPrecision", "torchao").removesuffix(_UNGUARDED)
+            row["vs_torchao"] = ms[torchao] / ms[case.name]
         rows.append(row)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     del cases

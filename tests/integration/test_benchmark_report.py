@@ -337,9 +337,11 @@ def test_fp8_speed_rows_put_raw_torchao_beside_the_plugin(tmp_path: Path) -> Non
         pytest.skip(speed["skipped"])
     assert speed["smoke"] is True and speed["targets"] == []  # smoke sizes are held to no target
     rows = {r["case"]: r for r in speed["shapes"][0]["rows"]}
-    assert set(rows) == {"bf16", "torchao fp8 tensorwise", "AMPPrecision fp8 tensorwise"}
+    unguarded = "AMPPrecision fp8 tensorwise, guard off"  # the conversion alone, beside torchao's
+    assert set(rows) == {"bf16", "torchao fp8 tensorwise", "AMPPrecision fp8 tensorwise", unguarded}
     ours, theirs = rows["AMPPrecision fp8 tensorwise"], rows["torchao fp8 tensorwise"]
     assert ours["vs_torchao"] == pytest.approx(theirs["ms"] / ours["ms"])
+    assert rows[unguarded]["vs_torchao"] == pytest.approx(theirs["ms"] / rows[unguarded]["ms"])
     assert ours["vs_bf16"] == pytest.approx(rows["bf16"]["ms"] / ours["ms"])
     assert "vs bf16" in proc.stdout and "vs torchao" in proc.stdout
 
