@@ -362,7 +362,7 @@ def train_once(workload: Workload, setup: str, device: str, warmup: int) -> floa
 
 def count_host_reads(workload: Workload, setup: str, device: str) -> list[int]:
     """Host reads of each of ``READ_STEPS`` training steps after ``READ_WARMUP``, in an untimed run."""
-    mode = HostReads()
+    mode = HostReads(device)  # on a GPU, the reads that wait for it (not those of copies already on the host)
     counter = ReadsPerStep(mode)
     with mode:
         _fit(workload, setup, device, READ_WARMUP + READ_STEPS, counter)
