@@ -207,16 +207,17 @@ class StepDriver:
         """:meth:`step_skipped` without waiting for the device: a bool where it is known now, else a function.
 
         A host bool is known, and so is a CPU flag (a CPU op has finished when it returns). A flag
-        on an accelerator starts on its way to pinned host memory behind the step's kernels, and
+        on a CUDA device starts on its way to pinned host memory behind the step's kernels, and
         the returned function waits for that copy alone: called once the next step's work is
         queued, it finds it done, where :meth:`step_skipped` would wait for everything queued.
+        (On other accelerators the flag is read at once.)
         """
         flag = self._skips.get(id(unwrap_optimizer(optimizer)), False)
-        if isinstance(flag, bool) or flag.device.type == "cpu":
+        if isinstance(flag, bool) or flag.device.type != "cuda":
             return self.step_skipped(optimizer)
-        host = flag.to("cpu", non_blocking=True)
-        done = torch.Event(flag.device)
-        done.record()
+        host = flag.to("cpu", non_blocking=True)  # into pinned memory, on the flag device's current stream
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(flag.device))
 
         def skipped() -> bool:
             done.synchronize()
