@@ -91,7 +91,7 @@ class StepDriver:
     def not_stepped(self, optimizer: Any, run_hooks: Callable[[], Any]) -> None:
         """``training_step`` returned ``None``: run the hooks; nothing steps; the batch counts as skipped."""
         opt = unwrap_optimizer(optimizer)
-        self._run_before_next()
+        self.settle()
         run_hooks()
         if self.scaler is not None:
             self.scaler.forget(opt)  # nothing of this batch may be taken for the next one's state
@@ -120,7 +120,7 @@ class StepDriver:
             kwargs: passed on to ``optimizer.step``.
         """
         opt = unwrap_optimizer(optimizer)
-        self._run_before_next()
+        self.settle()
         if self.before_step is not None:
             self.before_step(opt)
         scaler = self.scaler
@@ -226,10 +226,15 @@ class StepDriver:
         return skipped
 
     def before_next_step(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once, at the start of the next :meth:`step` (or :meth:`not_stepped`)."""
+        """Run ``callback`` once, as the next :meth:`step` (or :meth:`not_stepped`, :meth:`settle`) starts."""
         self._before_next.append(callback)
 
-    def _run_before_next(self) -> None:
+    def settle(self) -> None:
+        """Run now what waits for the next step (a held scheduler's check of a fused step's flag).
+
+        The next :meth:`step` does it first; the plugins call it as a fit ends, so that nothing
+        is left pending after the last step.
+        """
         callbacks, self._before_next = self._before_next, []
         for callback in callbacks:
             callback()

@@ -187,3 +187,13 @@ def test_deferred_a_checkpoint_written_right_after_a_skipped_step_resumes_bit_ex
     assert all(torch.equal(a, b) for a, b in zip(got["weights"], expected["weights"], strict=True))
     for a, b in zip(got["adam"], expected["adam"], strict=True):
         assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.filterwarnings("ignore:.*emulates.*")
+def test_deferred_a_skipped_last_step_is_held_once_the_fit_ends(deferred: None) -> None:
+    model = _Model(fused=True, poisoned=(BATCHES - 1,))
+    trainer = _trainer("bf16-mixed", epochs=1)
+    trainer.fit(model, _loader())
+    opt = trainer.optimizers[0]
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.8 ** (BATCHES - 1))  # held, not advanced
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == BATCHES - 1  # type: ignore[union-attr]
