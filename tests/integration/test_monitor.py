@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
+from tests._ops import UNSCALE, AtenOps
 
 POISON = (7, 8, 19)  # steps whose gradient gets an inf (0-based)
 
@@ -129,10 +130,13 @@ def test_csv_series_match_the_scalers_history(
     module, logger = Probe(), CSVLogger(tmp_path)
     monitor = LossScaleMonitor(warmup_steps=5, window=10, max_skip_rate=0.2, plot_path=tmp_path / "scale.png")
     monitor.plot_events.append((POISON[0], "poisoned batch"))
-    trainer = _fit(module, monitor, logger=logger, log_every_n_steps=3, gradient_clip_val=clip)
+    with AtenOps() as ops:
+        _fit(module, monitor, logger=logger, log_every_n_steps=3, gradient_clip_val=clip)
     assert f"plot of the loss scale and skips written to {tmp_path / 'scale.png'}" in said.text
     assert (tmp_path / "scale.png").stat().st_size > 0
-    assert trainer.precision_plugin._fast_clip  # the monitor does not look between backward and step
+    # The monitor does not look between backward and step: the fast path, where a norm clip reads the
+    # scaled gradients (no unscale pass) and otherwise the step unscales and checks once.
+    assert ops.counts[UNSCALE] == (0 if clip else len(module.seen))
     rows = [r for r in _rows(logger) if "amp/scale" in r]
     assert [int(r["step"]) for r in rows] == list(range(2, 30, 3))  # log_every_n_steps respected
     flags = [s["flag"] for s in module.seen]

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaler
 from amp_plugin.lightning import CHECKPOINT_KEY
+from tests._ops import UNSCALE, AtenOps
 
 POISON_STEPS = (0, 7, 8, 19)  # the first step overflows, as it often does at 2**16
 
@@ -131,16 +132,18 @@ class _ObservingModule(TinyModule):
 def test_hooks_see_unscaled_gradients_when_they_look() -> None:
     module = _ObservingModule()
     plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=2.0**12))
-    _fit(module, plugin, steps=3)
-    assert not plugin._fast_clip
+    with AtenOps() as ops:
+        _fit(module, plugin, steps=3)
+    assert ops.counts[UNSCALE] == 2 * 3  # before the hook and a re-check after it, every step
     assert plugin.scaler is not None and plugin.scaler.skipped_steps == 0
     assert 0 < max(module.norms) < 2.0**8  # unscaled: scaled ones would be thousands of times larger
 
 
 def test_fast_path_when_nobody_looks() -> None:
     plugin = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=2.0**8))
-    _fit(TinyModule(poison=()), plugin, steps=2, gradient_clip_val=1.0)
-    assert plugin._fast_clip
+    with AtenOps() as ops:
+        _fit(TinyModule(poison=()), plugin, steps=2, gradient_clip_val=1.0)
+    assert ops.counts[UNSCALE] == 0  # the clip reads the scaled gradients once; no unscale pass
     assert plugin.last_grad_norm is not None and torch.isfinite(plugin.last_grad_norm)
 
 

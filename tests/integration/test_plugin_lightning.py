@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaler
 from amp_plugin.lightning import CHECKPOINT_KEY, _compat
+from tests._ops import UNSCALE, AtenOps
 
 
 def _loader() -> DataLoader:
@@ -138,12 +139,13 @@ def test_a_callback_that_observes_gradients_takes_the_observing_path() -> None:
         ) -> None:
             pass
 
-    plugin = AMPPrecision("16-mixed", device="cpu")
-    _trainer(plugin, steps=1, callbacks=[Observer()]).fit(_Module(), _loader())
-    assert not plugin._fast_clip
-    plugin = AMPPrecision("16-mixed", device="cpu")
-    _trainer(plugin, steps=1).fit(_Module(), _loader())
-    assert plugin._fast_clip
+    with AtenOps() as observed:
+        observing = _trainer(AMPPrecision("16-mixed", device="cpu"), steps=1, callbacks=[Observer()])
+        observing.fit(_Module(), _loader())
+    with AtenOps() as unobserved:
+        _trainer(AMPPrecision("16-mixed", device="cpu"), steps=1).fit(_Module(), _loader())
+    # Unobserved, the step unscales and checks once; observed, before the hook and again after it.
+    assert (observed.counts[UNSCALE], unobserved.counts[UNSCALE]) == (2, 1)
 
 
 # -- 6. bad input ---------------------------------------------------------------------------------
