@@ -79,9 +79,8 @@ def _trainer(precision: str, epochs: int, **kwargs: Any) -> Trainer:
     scaler = LossScaler(init_scale=2.0**4) if precision == "16-mixed" else None
     plugin = AMPPrecision(precision, device="cpu", scaler=scaler)  # type: ignore[arg-type]
     return Trainer(
-        accelerator="cpu", devices=1, max_epochs=epochs, plugins=[plugin],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        **kwargs,
+        accelerator="cpu", devices=1, max_epochs=epochs, plugins=[plugin], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **{"logger": False, **kwargs},
     )  # fmt: skip
 
 
@@ -197,3 +196,23 @@ def test_deferred_a_skipped_last_step_is_held_once_the_fit_ends(deferred: None) 
     opt = trainer.optimizers[0]
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.8 ** (BATCHES - 1))  # held, not advanced
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == BATCHES - 1  # type: ignore[union-attr]
+
+
+@pytest.mark.filterwarnings("ignore:.*emulates.*")
+def test_deferred_lightnings_lr_monitor_logs_the_held_lr(tmp_path: Path, deferred: None) -> None:
+    """LearningRateMonitor reads the scheduler's optimizer as a batch starts: that settles the advance."""
+    import csv
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    logged = {}
+    for fused in (False, True):
+        logger = CSVLogger(tmp_path, name=f"fused{fused}")
+        monitor = LearningRateMonitor(logging_interval="step")
+        _trainer("bf16-mixed", epochs=2, callbacks=[monitor], logger=logger, log_every_n_steps=1).fit(
+            _Model(fused), _loader()
+        )
+        with open(Path(logger.log_dir) / "metrics.csv") as f:
+            logged[fused] = [float(r["lr-AdamW"]) for r in csv.DictReader(f) if r.get("lr-AdamW")]
+    assert len(logged[True]) == 2 * BATCHES and logged[True] == logged[False]
