@@ -142,6 +142,13 @@ def _spawned(fabric: Fabric, out: str) -> None:
     }
     Path(out, f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
     leave_group()  # a rank leaving early can make gloo abort the other at exit, now and then
+    # Kept alive past the return: freeing the DDP model here (its Reducer holds the last reference
+    # to the gloo group) joins gloo's thread with the GIL held, while that thread may still be
+    # freeing the all_gather's work, whose Python tensors need the GIL: a deadlock, seen in CI.
+    _KEPT.append((model, opt))
+
+
+_KEPT: list[Any] = []
 
 
 @pytest.mark.slow  # a subprocess or processes: the one-thread pass leaves it out
