@@ -6,11 +6,14 @@ where CUDA is available. Tests that take it build their tensors, models and orac
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -151,6 +154,35 @@ def _isolated() -> Iterator[None]:
             "the test (try/finally, a context manager or monkeypatch), or run the code in a subprocess.",
             pytrace=False,
         )
+
+
+# A rank process still running this long after its test started is hung (the slowest multi-process
+# test takes about a minute on 2 cores): it is killed, so that its test fails with the rank's exit
+# and the run goes on, where a hung rank would stall the whole run until CI's own limit. A timer
+# signal, not a thread: a thread alive at fork time makes Python 3.12 warn and forked ranks wary.
+RANK_DEADLINE_S = 240
+
+
+@pytest.fixture(autouse=True)
+def _hung_ranks_killed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Kill the test's child processes (DDP ranks) if they outlive ``RANK_DEADLINE_S``."""
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def kill_ranks(signum: int, frame: Any) -> None:
+        for child in multiprocessing.active_children():
+            print(f"\n{request.node.nodeid}: process {child.pid} ({child.name}) still running after "
+                  f"{RANK_DEADLINE_S} s: hung, killed", file=sys.stderr, flush=True)  # fmt: skip
+            child.kill()
+
+    previous = signal.signal(signal.SIGALRM, kill_ranks)
+    signal.setitimer(signal.ITIMER_REAL, RANK_DEADLINE_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)
