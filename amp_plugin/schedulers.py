@@ -40,27 +40,37 @@ class _StepSkips(Protocol):
 
 
 class _Undo:
-    """What a scheduler's step changes, as it was before: the scheduler's state and its optimizer's groups."""
+    """What a scheduler's step changes, as it was before: the scheduler's state and its optimizer's groups.
+
+    Built before the step; :meth:`advanced` records the groups' values after it, so that
+    :meth:`apply` takes back only what the scheduler changed and keeps what was set since (an LR
+    written by hand between the two steps stays).
+    """
 
     def __init__(self, scheduler: Any, optimizer: Any) -> None:
         self.state = copy.deepcopy(scheduler.state_dict())
-        self.groups = [
-            {
-                k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
-                for k, v in group.items()
-                if k != "params"
-            }
-            for group in optimizer.param_groups
-        ]
+        self.before = [_values(group) for group in optimizer.param_groups]
+        self.after: list[dict[str, Any]] = []
+
+    def advanced(self, optimizer: Any) -> None:
+        self.after = [_values(group) for group in optimizer.param_groups]
 
     def apply(self, scheduler: Any, optimizer: Any) -> None:
         scheduler.load_state_dict(self.state)
-        for group, saved in zip(optimizer.param_groups, self.groups, strict=True):
-            for key, value in saved.items():
-                if isinstance(value, Tensor) and isinstance(group.get(key), Tensor):
-                    group[key].copy_(value)  # a tensor lr (fused, capturable) keeps its identity
-                else:
-                    group[key] = value
+        for group, before, after in zip(optimizer.param_groups, self.before, self.after, strict=True):
+            for key, value in before.items():
+                now = group.get(key)
+                if isinstance(value, Tensor) and isinstance(now, Tensor):
+                    now.copy_(value)  # a tensor lr (fused, capturable) keeps its identity
+                elif now is after.get(key) or now == after.get(key):
+                    group[key] = value  # the scheduler's change, not one made since
+
+
+def _values(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings (not its params), copied: tensors cloned, the rest deep-copied."""
+    return {
+        k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in group.items() if k != "params"
+    }
 
 
 class SkipAwareScheduler:
@@ -170,6 +180,7 @@ class SkipAwareScheduler:
         self.settle()  # stepped twice with no optimizer step between: the first is settled at once
         undo = _Undo(self._scheduler, optimizer)
         self._scheduler.step(*args, **kwargs)
+        undo.advanced(optimizer)
         self.__dict__["_pending"] = (skipped, undo)
         self._steps.before_next_step(self.settle)
 

@@ -287,3 +287,13 @@ def test_on_cuda_the_hold_leaves_the_gpu_running_and_still_holds_a_skipped_step(
     torch.cuda.synchronize()
     assert lrs == [1.0, 0.5, 0.5, 0.25]  # step 1 was skipped: step 2 runs with its LR
     assert scheduler.last_epoch == 3 and driver.scaler.skipped_steps == 1
+
+
+def test_taking_an_advance_back_keeps_what_was_set_by_hand_since() -> None:
+    opt = _adamw()
+    device = _DeviceFlags([True])
+    scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), device)
+    scheduler.step()  # advanced: lr 0.5, not yet known to be skipped
+    opt.param_groups[0]["weight_decay"] = 0.5  # the user's own change, after the scheduler's step
+    device.next_step()  # skipped: the scheduler's change goes back, the user's stays
+    assert opt.param_groups[0]["lr"] == 1.0 and opt.param_groups[0]["weight_decay"] == 0.5
