@@ -452,11 +452,8 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
     @override
     def teardown(self) -> None:
-        if self._run.driver is not None:
-            self._run.driver.settle()  # a held scheduler's last check
         self._attached.clear()
-        if self._run.half is not None:
-            self._run.half.detach()
+        self._run.teardown()
         for hooks in self._fp32_hooks.values():
             hooks.remove()
         self._fp32_hooks.clear()

@@ -345,6 +345,13 @@ class AMPRun:
             return autocast
         return _entered(autocast, default_dtype(half) if half is not None else None, functions)
 
+    def teardown(self) -> None:
+        """End of a fit: settle what waits for a next step (a held scheduler's check); unhook half weights."""
+        if self.driver is not None:
+            self.driver.settle()
+        if self.half is not None:
+            self.half.detach()
+
 
 def guard_of(
     scaler: LossScaler | None, guard: bool, kernels: Backend = "auto", spike_guard: SpikeGuard | None = None

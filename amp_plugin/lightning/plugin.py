@@ -193,10 +193,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
     @override
     def teardown(self) -> None:
-        if self._run.driver is not None:
-            self._run.driver.settle()  # a held scheduler's last check
-        if self._run.half is not None:
-            self._run.half.detach()
+        self._run.teardown()
         if self._fp32_hooks is not None:
             self._fp32_hooks.remove()
             self._fp32_hooks = None

@@ -118,17 +118,26 @@ def _state(model: _Model, trainer: Trainer, monitor: LossScaleMonitor) -> dict[s
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 @pytest.mark.filterwarnings("ignore:.*emulates.*")
 def test_a_resume_across_a_skip_with_fused_adamw_is_bit_exact(precision: str, tmp_path: Path) -> None:
-    whole, monitor = _Model(fused=True), LossScaleMonitor()
+    _resume_matches_the_whole_fit(precision, tmp_path, POISONED)  # written after batch 4; 3 was skipped
+
+
+def _resume_matches_the_whole_fit(precision: str, tmp_path: Path, poisoned: tuple[int, ...]) -> Any:
+    """A 3-epoch fit against 1 epoch, a checkpoint, and 2 more resumed from it; returns the checkpoint dict.
+
+    The resumed fit ends bit-exactly where the whole one does: weights, AdamW state, scheduler,
+    LR, skip count and the monitor's health counts.
+    """
+    whole, monitor = _Model(fused=True, poisoned=poisoned), LossScaleMonitor()
     trainer = _trainer(precision, epochs=3, callbacks=[monitor])
     trainer.fit(whole, _loader())
     expected = _state(whole, trainer, monitor)
 
-    first = _Model(fused=True)
-    trainer = _trainer(precision, epochs=1, callbacks=[LossScaleMonitor()])  # after batch 4; 3 was skipped
+    first = _Model(fused=True, poisoned=poisoned)
+    trainer = _trainer(precision, epochs=1, callbacks=[LossScaleMonitor()])
     trainer.fit(first, _loader())
     ckpt = tmp_path / "after_skip.ckpt"
     trainer.save_checkpoint(ckpt)
-    resumed, monitor = _Model(fused=True), LossScaleMonitor()
+    resumed, monitor = _Model(fused=True, poisoned=poisoned), LossScaleMonitor()
     trainer = _trainer(precision, epochs=3, callbacks=[monitor])
     trainer.fit(resumed, _loader(), ckpt_path=ckpt)
     got = _state(resumed, trainer, monitor)
@@ -138,6 +147,7 @@ def test_a_resume_across_a_skip_with_fused_adamw_is_bit_exact(precision: str, tm
     assert all(torch.equal(a, b) for a, b in zip(got["weights"], expected["weights"], strict=True))
     for a, b in zip(got["adam"], expected["adam"], strict=True):
         assert all(torch.equal(a[k], b[k]) for k in b)
+    return torch.load(ckpt, weights_only=False)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -163,29 +173,9 @@ def test_deferred_a_checkpoint_written_right_after_a_skipped_step_resumes_bit_ex
     precision: str, tmp_path: Path, deferred: None
 ) -> None:
     poisoned = (2, 4)  # batch 4 ends epoch 1: the checkpoint is written with its skip not yet read
-    whole, monitor = _Model(fused=True, poisoned=poisoned), LossScaleMonitor()
-    trainer = _trainer(precision, epochs=3, callbacks=[monitor])
-    trainer.fit(whole, _loader())
-    expected = _state(whole, trainer, monitor)
-
-    first = _Model(fused=True, poisoned=poisoned)
-    trainer = _trainer(precision, epochs=1, callbacks=[LossScaleMonitor()])
-    trainer.fit(first, _loader())
-    ckpt = tmp_path / "after_skip.ckpt"
-    trainer.save_checkpoint(ckpt)
-    saved = torch.load(ckpt, weights_only=False)
+    saved = _resume_matches_the_whole_fit(precision, tmp_path, poisoned)
     assert saved["lr_schedulers"][0]["last_epoch"] == BATCHES - len(poisoned)
     assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(1e-2 * 0.8**3)
-    resumed, monitor = _Model(fused=True, poisoned=poisoned), LossScaleMonitor()
-    trainer = _trainer(precision, epochs=3, callbacks=[monitor])
-    trainer.fit(resumed, _loader(), ckpt_path=ckpt)
-    got = _state(resumed, trainer, monitor)
-
-    for key in ("last_epoch", "lr", "skipped", "health"):
-        assert got[key] == expected[key], key
-    assert all(torch.equal(a, b) for a, b in zip(got["weights"], expected["weights"], strict=True))
-    for a, b in zip(got["adam"], expected["adam"], strict=True):
-        assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 @pytest.mark.filterwarnings("ignore:.*emulates.*")
