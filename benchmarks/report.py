@@ -85,11 +85,11 @@ GPU_RUNS: dict[str, GpuRun] = {
     "training_speed.py": GpuRun(
         "--device cuda --models transformer --optimizers fused --rounds 4 --steps 15 --warmup 3",
         "--quick --device cuda --models tiny",
-        150,
+        90,
     ),
     "numerics_speed.py": GpuRun("--device cuda --size 64000000 --repeats 20", "--quick --device cuda", 15),
 }
-GPU_BUDGET_S = 450.0  # the timeouts above, added up
+GPU_BUDGET_S = 390.0  # the timeouts above, added up
 
 
 def benchmarks() -> list[str]:
