@@ -83,7 +83,7 @@ GPU_RUNS: dict[str, GpuRun] = {
     "step_overhead.py": GpuRun("--device cuda --params 400000000 --repeats 20", "--quick --device cuda", 45),
     "fp8.py": GpuRun("--rows speed --recipes tensorwise --warmup 2 --repeats 8", "--quick --rows speed", 240),
     "training_speed.py": GpuRun(
-        "--device cuda --models transformer --optimizers fused --rounds 2 --steps 15 --warmup 3",
+        "--device cuda --models transformer --optimizers fused --rounds 4 --steps 15 --warmup 3",
         "--quick --device cuda --models tiny",
         90,
     ),
