@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from amp_plugin._scale_policy import ScaleFloorWarning, SkipStreakWarning
+from amp_plugin._scaler import LossScaler
 from amp_plugin.autocast import AutocastDataParallel, autocast_state, propagate_autocast
 from amp_plugin.kernels import get_kernels
-from amp_plugin.scaler import LossScaler
 
 if TYPE_CHECKING:
     from amp_plugin.lightning import AMPFSDPPrecision, AMPPrecision, LossScaleMonitor
@@ -24,6 +25,8 @@ __all__ = [
     "AutocastDataParallel",
     "LossScaleMonitor",
     "LossScaler",
+    "ScaleFloorWarning",
+    "SkipStreakWarning",
     "autocast_state",
     "get_kernels",
     "propagate_autocast",

@@ -53,8 +53,8 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from amp_plugin._imports import require_torchao
+from amp_plugin._sharding import has_dtensor
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
-from amp_plugin.sharding import has_dtensor
 
 __all__ = [
     "FP8_MULTIPLE",

@@ -40,9 +40,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._validation import fail
 from amp_plugin.fp32_policy import check_module_classes
-from amp_plugin.optim import unwrap_optimizer
 
 __all__ = [
     "NORM_LAYERS",

@@ -60,9 +60,9 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
     scaler = (tmp_path / "reference" / "scaler" / "index.html").read_text()
-    assert 'id="amp_plugin.scaler.LossScaler"' in scaler
+    assert 'id="amp_plugin._scaler.LossScaler"' in scaler
     # the page opens with the class users call, before the state machine it keeps
-    assert scaler.index('id="amp_plugin.scaler.LossScaler"') < scaler.index('id="amp_plugin.scaler.Stage"')
+    assert scaler.index('id="amp_plugin._scaler.LossScaler"') < scaler.index('id="amp_plugin._scaler.Stage"')
     # code wraps instead of scrolling sideways; identifiers in tables do not break mid-word
     css = (tmp_path / "css" / "extra.css").read_text()
     assert "pre-wrap" in css and "keep-all" in css

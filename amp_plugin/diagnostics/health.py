@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from amp_plugin import _imports
+from amp_plugin._scale_policy import STREAK_WARNING_AT
 from amp_plugin._validation import check_bool, check_choice, check_int, check_number, fail
 from amp_plugin.diagnostics.health_state import HealthState, check_health_state, number_or_none
-from amp_plugin.scale_policy import STREAK_WARNING_AT
 
 __all__ = [
     "HealthVerdict",

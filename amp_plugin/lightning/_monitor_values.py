@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from amp_plugin import clipping
-from amp_plugin.scaler import LossScaler
+from amp_plugin import _clipping as clipping
+from amp_plugin._scaler import LossScaler
 
 __all__ = ["amp_metrics", "publish"]
 

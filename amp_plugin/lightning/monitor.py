@@ -29,6 +29,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from amp_plugin import diagnostics
+from amp_plugin._scaler import LossScaler
+from amp_plugin._step import read_flags
 from amp_plugin.diagnostics.health import (
     SHOWN_FLAGS,
     HealthVerdict,
@@ -41,8 +43,6 @@ from amp_plugin.diagnostics.health_state import HealthState, ScaleRecord, check_
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning._monitor_values import amp_metrics, publish
 from amp_plugin.lightning.plugin import AMPPrecision
-from amp_plugin.scaler import LossScaler
-from amp_plugin.step import read_flags
 
 __all__ = ["LossScaleMonitor"]
 

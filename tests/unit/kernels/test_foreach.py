@@ -138,7 +138,7 @@ def test_exact_norm_is_torchs_clip_norm_and_fast_norm_is_within_fp32s_error(thre
     and Mary's probabilistic bound), and ``lam = 10`` makes a false failure practically impossible.
     A wrong accumulation (fp16, dropped terms, a lost tensor) misses it by orders of magnitude.
     """
-    from amp_plugin.sharding import ShardAwareKernels
+    from amp_plugin._sharding import ShardAwareKernels
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads or saved)

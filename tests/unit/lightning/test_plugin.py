@@ -15,7 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from amp_plugin import AMPPrecision, LossScaler
-from amp_plugin.schedulers import SkipAwareScheduler
+from amp_plugin._schedulers import SkipAwareScheduler
 
 # -- a MixedPrecision to Lightning ------------------------------------------------------------------
 

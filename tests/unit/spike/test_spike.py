@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin import LossScaler
+from amp_plugin._step import StepDriver
 from amp_plugin.spike import SpikeGuard
-from amp_plugin.step import StepDriver
 
 
 def _model(device: str, fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

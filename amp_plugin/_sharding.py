@@ -25,8 +25,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from amp_plugin._distributed import _check_group, global_norm
 from amp_plugin._validation import fail
-from amp_plugin.distributed import _check_group, global_norm
 from amp_plugin.kernels import Kernels
 
 __all__ = ["ShardAwareKernels", "has_dtensor", "local_shards", "shard_groups"]
@@ -83,7 +83,7 @@ def shard_groups(tensor: Tensor) -> tuple[Any, ...]:
     for dim, placement in enumerate(dt.placements):
         if placement.is_partial():
             fail(
-                "ShardAwareKernels",
+                "LossScaler",
                 passed=f"a gradient with placements {dt.placements}",
                 why="a Partial gradient is not reduced yet",
                 allowed="Shard or Replicate placements",
@@ -100,7 +100,7 @@ class ShardAwareKernels:
     ``unscale_`` and ``mul_`` act on each rank's shard (the inf flag is this rank's; the
     scaler all-reduces it before any skip decision). ``norm`` is the norm of the whole
     tensors: each set of tensors sharded over the same groups contributes its local norm
-    reduced over those groups (:func:`~amp_plugin.distributed.global_norm`, one collective
+    reduced over those groups (:func:`~amp_plugin._distributed.global_norm`, one collective
     of one element per group), and the contributions combine as the wrapped backend
     combines its ``(device, dtype)`` groups. Lists without a ``DTensor`` go straight to the
     wrapped backend, so results on plain tensors are bit-identical to it.
@@ -120,7 +120,7 @@ class ShardAwareKernels:
     def __init__(self, kernels: Kernels, *, sharded: bool = False, group: Any = None) -> None:
         if not all(callable(getattr(kernels, op, None)) for op in ("unscale_", "norm", "mul_")):
             fail(
-                "ShardAwareKernels",
+                "LossScaler",
                 passed=f"kernels={kernels!r:.80}",
                 allowed="a kernel backend (unscale_, norm and mul_)",
                 hint="pass amp_plugin.get_kernels('auto').",

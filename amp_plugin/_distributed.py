@@ -7,7 +7,7 @@ inside their kernel), so the inf flag itself is all-reduced (MAX) before any ski
 
 When every rank holds only its shard of the gradients, the clip norm of the whole model
 is reduced from the local norms (:func:`global_norm`); ``ShardAwareKernels(..., sharded=True)``
-in :mod:`amp_plugin.sharding` plugs that into the clipping code. The proof that the ranks agree
+in :mod:`amp_plugin._sharding` plugs that into the clipping code. The proof that the ranks agree
 (``check_consistency``, ``ConsistencyCheck``) is :mod:`amp_plugin.consistency`, which builds on this module.
 """
 
@@ -161,7 +161,7 @@ def all_reduce_max_(values: Tensor, group: Any = None) -> Tensor:
     """
     if not isinstance(values, Tensor) or values.dim() != 1 or not values.is_floating_point():
         fail(
-            "all_reduce_max_",
+            "SpikeGuard",
             passed=f"values={type(values).__name__} {getattr(values, 'shape', '')}",
             allowed="a 1-D floating-point tensor",
             hint="pass the tensor of values to agree on.",
@@ -200,7 +200,7 @@ def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -
     _check_flag("global_norm", "local_norm", local_norm)
     if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or math.isnan(norm_type):
         fail(
-            "global_norm",
+            "LossScaler.clip_grad_norm_",
             passed=f"norm_type={norm_type!r}",
             why="it is not a norm order",
             allowed="a number, inf or -inf included",
