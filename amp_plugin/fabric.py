@@ -37,11 +37,12 @@ from amp_plugin._run import AMPRun, RunOptions
 from amp_plugin._scaler import LossScaler
 from amp_plugin._schedulers import SkipAwareScheduler
 from amp_plugin._validation import fail
-from amp_plugin.lightning import _compat, checks
-from amp_plugin.lightning import checkpoint as checkpoints
+from amp_plugin.lightning import _checkpoint as checkpoints
+from amp_plugin.lightning import _checks as checks
+from amp_plugin.lightning import _compat
 from amp_plugin.lightning._monitor_values import amp_metrics
+from amp_plugin.lightning._opt_levels import opt_level_arguments
 from amp_plugin.lightning._run_view import RunView
-from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.precision import Precision as PrecisionName
 
 __all__ = ["AMPPrecision"]
@@ -122,7 +123,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
         O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
         master weights, O3 pure fp16 (static loss scale 1.0, as in Apex); ``overrides`` take Apex's
-        or this class's keywords (see :mod:`amp_plugin.lightning.opt_levels`).
+        or this class's keywords (see :mod:`amp_plugin.lightning._opt_levels`).
 
         Example:
             >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")

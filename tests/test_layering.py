@@ -217,9 +217,9 @@ def test_a_layered_graph_passes() -> None:
         "amp_plugin.lightning": {"amp_plugin._step", "amp_plugin._scaler"},
         "amp_plugin._step": {"amp_plugin._scaler"},
         "amp_plugin._scaler": {"amp_plugin._clipping", "amp_plugin.kernels", "amp_plugin._validation"},
-        "amp_plugin._clipping": {"amp_plugin.kernels.foreach"},
-        "amp_plugin.kernels": {"amp_plugin.kernels.foreach"},
-        "amp_plugin.kernels.foreach": {"amp_plugin._validation"},
+        "amp_plugin._clipping": {"amp_plugin.kernels._foreach"},
+        "amp_plugin.kernels": {"amp_plugin.kernels._foreach"},
+        "amp_plugin.kernels._foreach": {"amp_plugin._validation"},
         "amp_plugin._validation": set(),
     }
     assert layering_problems(graph) == []
@@ -241,24 +241,24 @@ def test_a_planted_cycle_is_caught_within_one_layer() -> None:
 def test_a_planted_upward_import_is_caught() -> None:
     graph = {
         "amp_plugin._scaler": {"amp_plugin._step", "amp_plugin._validation"},
-        "amp_plugin._step": {"amp_plugin.lightning.plugin"},
-        "amp_plugin.lightning.plugin": {"amp_plugin._validation"},
+        "amp_plugin._step": {"amp_plugin.lightning._plugin"},
+        "amp_plugin.lightning._plugin": {"amp_plugin._validation"},
         "amp_plugin._validation": set(),
     }
     assert layering_problems(graph) == [
         "amp_plugin._scaler (core) -> amp_plugin._step (step)",
-        "amp_plugin._step (step) -> amp_plugin.lightning.plugin (adapters)",
+        "amp_plugin._step (step) -> amp_plugin.lightning._plugin (adapters)",
     ]
 
 
 def test_a_cycle_through_layers_is_reported_with_its_upward_edge() -> None:
     graph = {
-        "amp_plugin.kernels.base": {"amp_plugin._scaler"},
-        "amp_plugin._scaler": {"amp_plugin.kernels.base"},
+        "amp_plugin.kernels._base": {"amp_plugin._scaler"},
+        "amp_plugin._scaler": {"amp_plugin.kernels._base"},
     }
     assert layering_problems(graph) == [
-        "import cycle: amp_plugin._scaler -> amp_plugin.kernels.base -> amp_plugin._scaler",
-        "amp_plugin.kernels.base (kernels) -> amp_plugin._scaler (core)",
+        "import cycle: amp_plugin._scaler -> amp_plugin.kernels._base -> amp_plugin._scaler",
+        "amp_plugin.kernels._base (kernels) -> amp_plugin._scaler (core)",
     ]
 
 
@@ -280,13 +280,13 @@ def test_a_module_without_a_layer_is_refused() -> None:
         ("try:\n    import apex\nexcept ImportError:\n    pass", {("apex", False)}),
         ("def f():\n    importlib.import_module('amp_plugin.numerics')", {("amp_plugin.numerics", True)}),
         ("m = import_module('amp_plugin.consistency')", {("amp_plugin.consistency", False)}),
-        ("from .base import Kernels", {("amp_plugin.kernels.base", False)}),
-        ("from . import base", {("amp_plugin.kernels.base", False)}),
+        ("from ._base import Kernels", {("amp_plugin.kernels._base", False)}),
+        ("from . import _base", {("amp_plugin.kernels._base", False)}),
     ],
 )
 def test_every_form_of_import_is_seen(source: str, expected: set[tuple[str, bool]]) -> None:
-    modules = {"amp_plugin", "amp_plugin._scaler", "amp_plugin.kernels", "amp_plugin.kernels.base"}
-    found = {(i.module(modules), i.in_function) for i in imports_in(source, "amp_plugin.kernels.foreach")}
+    modules = {"amp_plugin", "amp_plugin._scaler", "amp_plugin.kernels", "amp_plugin.kernels._base"}
+    found = {(i.module(modules), i.in_function) for i in imports_in(source, "amp_plugin.kernels._foreach")}
     assert found == expected
 
 
@@ -300,7 +300,7 @@ def test_the_walk_sees_the_package() -> None:
     assert "amp_plugin._scaler" in graph["amp_plugin.consistency"]  # under TYPE_CHECKING
     assert Import("accelerate", in_function=True) in imports["amp_plugin.accelerate"]  # an importlib string
     figure = Import("matplotlib.figure.Figure", in_function=True, parent="matplotlib.figure")
-    assert figure in imports["amp_plugin.diagnostics.health_plot"]  # an import inside a function
+    assert figure in imports["amp_plugin.diagnostics._health_plot"]  # an import inside a function
 
 
 def test_every_module_has_a_layer() -> None:

@@ -13,9 +13,9 @@ Import :class:`AMPPrecision`, :class:`AMPFSDPPrecision` and :class:`LossScaleMon
 
 from __future__ import annotations
 
-from amp_plugin.lightning.checkpoint import CHECKPOINT_KEY
-from amp_plugin.lightning.fsdp import AMPFSDPPrecision
-from amp_plugin.lightning.monitor import LossScaleMonitor
-from amp_plugin.lightning.plugin import AMPPrecision
+from amp_plugin.lightning._checkpoint import CHECKPOINT_KEY
+from amp_plugin.lightning._fsdp import AMPFSDPPrecision
+from amp_plugin.lightning._monitor import LossScaleMonitor
+from amp_plugin.lightning._plugin import AMPPrecision
 
 __all__ = ["CHECKPOINT_KEY", "AMPFSDPPrecision", "AMPPrecision", "LossScaleMonitor"]

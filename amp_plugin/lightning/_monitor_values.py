@@ -1,6 +1,6 @@
 """The values ``LossScaleMonitor`` reports: built once, sent to the loggers and to ``callback_metrics``.
 
-Kept apart from :mod:`amp_plugin.lightning.monitor` so that the callback reads as hooks. The
+Kept apart from :mod:`amp_plugin.lightning._monitor` so that the callback reads as hooks. The
 numbers arrive here as Python values the monitor has already read from the device, so
 publishing them costs no host sync.
 """

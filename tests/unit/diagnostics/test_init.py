@@ -27,8 +27,8 @@ HOMES = {
 
 
 @pytest.mark.parametrize(("name", "module"), HOMES.items())
-def test_the_package_exports_each_name_from_its_public_module(name: str, module: str) -> None:
-    home = importlib.import_module(f"amp_plugin.diagnostics.{module}")
+def test_the_package_is_the_one_public_path_of_each_name(name: str, module: str) -> None:
+    home = importlib.import_module(f"amp_plugin.diagnostics._{module}")  # private: one path per name
     assert getattr(diagnostics, name) is getattr(home, name)
     assert name in home.__all__
 

@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.kernels.foreach``, the torch backend: its CUDA routes, its exact and fast norms."""
+"""Tests for ``amp_plugin.kernels._foreach``, the torch backend: its CUDA routes, its exact and fast norms."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin.kernels import get_kernels
-from amp_plugin.kernels.foreach import TorchKernels
+from amp_plugin.kernels._foreach import TorchKernels
 from tests.fakes.cuda_rules import cuda_rules_on_cpu
 from tests.unit.kernels._tensors import (
     BF16,

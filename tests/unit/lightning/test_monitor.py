@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from amp_plugin import LossScaleMonitor
-from amp_plugin.diagnostics.health import SkipHealth
-from amp_plugin.diagnostics.health_state import ScaleRecord
+from amp_plugin.diagnostics._health import SkipHealth
+from amp_plugin.diagnostics._health_state import ScaleRecord
 
 
 def _saved() -> dict[str, Any]:
@@ -121,7 +121,7 @@ def test_monitor_loads_records_saved_as_lists() -> None:
 
 
 def test_history_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("amp_plugin.lightning.monitor._MAX_RECORDS", 8)
+    monkeypatch.setattr("amp_plugin.lightning._monitor._MAX_RECORDS", 8)
     monitor = LossScaleMonitor()
     for step in range(100):
         monitor._record(ScaleRecord(step, 1.0, 0, 0.0, False))

@@ -29,10 +29,11 @@ from amp_plugin import fp32_policy
 from amp_plugin._run import AMPRun, RunOptions
 from amp_plugin._scaler import LossScaler
 from amp_plugin._schedulers import SkipAwareScheduler
-from amp_plugin.lightning import _compat, checks
-from amp_plugin.lightning import checkpoint as checkpoints
+from amp_plugin.lightning import _checkpoint as checkpoints
+from amp_plugin.lightning import _checks as checks
+from amp_plugin.lightning import _compat
+from amp_plugin.lightning._opt_levels import opt_level_arguments
 from amp_plugin.lightning._run_view import RunView
-from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.precision import Precision as PrecisionName
 
 __all__ = ["AMPPrecision"]
@@ -96,7 +97,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
         O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
         master weights, O3 pure fp16 (static loss scale 1.0, as in Apex). See
-        :mod:`amp_plugin.lightning.opt_levels` for the table and the keywords.
+        :mod:`amp_plugin.lightning._opt_levels` for the table and the keywords.
 
         Example:
             >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")

@@ -31,7 +31,7 @@ from amp_plugin._step import StepDriver
 from amp_plugin._validation import check_bool, fail
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat
-from amp_plugin.lightning.checkpoint import grad_scaler_state
+from amp_plugin.lightning._checkpoint import grad_scaler_state
 from amp_plugin.spike import SpikeGuard, check_spike_guard
 
 __all__ = ["AMPFSDPPrecision"]
