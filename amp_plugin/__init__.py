@@ -15,7 +15,9 @@ from amp_plugin.autocast import AutocastDataParallel, autocast_state, propagate_
 from amp_plugin.kernels import get_kernels
 
 if TYPE_CHECKING:
-    from amp_plugin.lightning import AMPFSDPPrecision, AMPPrecision, LossScaleMonitor
+    from amp_plugin.lightning._fsdp import AMPFSDPPrecision
+    from amp_plugin.lightning._monitor import LossScaleMonitor
+    from amp_plugin.lightning._plugin import AMPPrecision
 
 __version__ = "0.1.0"
 
@@ -33,9 +35,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "AMPFSDPPrecision": "amp_plugin.lightning",
-    "AMPPrecision": "amp_plugin.lightning",
-    "LossScaleMonitor": "amp_plugin.lightning",
+    "AMPFSDPPrecision": "amp_plugin.lightning._fsdp",
+    "AMPPrecision": "amp_plugin.lightning._plugin",
+    "LossScaleMonitor": "amp_plugin.lightning._monitor",
 }
 
 

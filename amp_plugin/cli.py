@@ -27,14 +27,14 @@ from torch import nn
 from amp_plugin import __version__
 from amp_plugin._validation import fail
 from amp_plugin.diagnostics import (
-    AuditReport,
-    AutocastOps,
     audit_model,
     device_report,
     format_autocast_ops,
     format_device_report,
     probe_autocast_ops,
 )
+from amp_plugin.diagnostics._audit import AuditReport
+from amp_plugin.diagnostics._autocast_ops import AutocastOps
 from amp_plugin.diagnostics._fp8_report import format_fp8_report, fp8_hardware, fp8_report
 from amp_plugin.fp8 import RECIPES
 

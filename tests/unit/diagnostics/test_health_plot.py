@@ -60,6 +60,6 @@ def test_events_are_marked_and_named_in_the_legend(monkeypatch: pytest.MonkeyPat
 
 
 def test_bad_events_are_refused_before_anything_is_written(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"LossScaleMonitor\(plot_events=\[\(6,\)\]\) is not allowed here: .*HINT"):
+    with pytest.raises(TypeError, match=r"LossScaleMonitor\(plot_events=\[\(6,\)\]\) is not allowed here"):
         plot_history(_records(), tmp_path / "scale.png", SkipHealth(), events=[(6,)])  # type: ignore[list-item]
     assert not (tmp_path / "scale.png").exists()

@@ -9,19 +9,13 @@ import pytest
 from amp_plugin import diagnostics
 
 HOMES = {
-    "AutocastOps": "autocast_ops",
-    "OpProbe": "autocast_ops",
     "format_autocast_ops": "autocast_ops",
     "probe_autocast_ops": "autocast_ops",
-    "AuditReport": "audit",
-    "Finding": "audit",
     "audit_model": "audit",
     "device_report": "device_report",
     "format_device_report": "device_report",
-    "NonFiniteGradient": "nonfinite",
     "nonfinite_gradients": "nonfinite",
     "check_optimizer_setup": "optimizer_check",
-    "NonFiniteRecord": "tracer",
     "NonFiniteTracer": "tracer",
 }
 

@@ -129,8 +129,10 @@ def test_history_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(steps) <= 8 and steps[0] == 0 and steps[-1] == 99 and steps == sorted(steps)
 
 
-def test_the_old_import_path_is_the_same_class() -> None:
+def test_amp_plugin_is_the_one_public_path() -> None:
     import amp_plugin
-    from amp_plugin.lightning import LossScaleMonitor as Home
+    import amp_plugin.lightning
+    from amp_plugin.lightning._monitor import LossScaleMonitor as Home
 
     assert LossScaleMonitor is Home is amp_plugin.LossScaleMonitor
+    assert not hasattr(amp_plugin.lightning, "LossScaleMonitor")
