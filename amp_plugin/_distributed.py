@@ -161,7 +161,7 @@ def all_reduce_max_(values: Tensor, group: Any = None) -> Tensor:
     """
     if not isinstance(values, Tensor) or values.dim() != 1 or not values.is_floating_point():
         fail(
-            "SpikeGuard",
+            "all_reduce_max_",
             passed=f"values={type(values).__name__} {getattr(values, 'shape', '')}",
             allowed="a 1-D floating-point tensor",
             hint="pass the tensor of values to agree on.",
@@ -200,7 +200,7 @@ def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -
     _check_flag("global_norm", "local_norm", local_norm)
     if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or math.isnan(norm_type):
         fail(
-            "LossScaler.clip_grad_norm_",
+            "global_norm",
             passed=f"norm_type={norm_type!r}",
             why="it is not a norm order",
             allowed="a number, inf or -inf included",

@@ -83,7 +83,7 @@ def shard_groups(tensor: Tensor) -> tuple[Any, ...]:
     for dim, placement in enumerate(dt.placements):
         if placement.is_partial():
             fail(
-                "LossScaler",
+                "ShardAwareKernels",
                 passed=f"a gradient with placements {dt.placements}",
                 why="a Partial gradient is not reduced yet",
                 allowed="Shard or Replicate placements",
@@ -120,7 +120,7 @@ class ShardAwareKernels:
     def __init__(self, kernels: Kernels, *, sharded: bool = False, group: Any = None) -> None:
         if not all(callable(getattr(kernels, op, None)) for op in ("unscale_", "norm", "mul_")):
             fail(
-                "LossScaler",
+                "ShardAwareKernels",
                 passed=f"kernels={kernels!r:.80}",
                 allowed="a kernel backend (unscale_, norm and mul_)",
                 hint="pass amp_plugin.get_kernels('auto').",

@@ -35,7 +35,7 @@ from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._validation import check_choice, check_int, fail
 from amp_plugin.numerics import stochastic_round
 
-__all__ = ["KAHAN_KEY", "ROUNDINGS", "RoundedUpdates"]
+__all__ = ["RoundedUpdates"]
 
 Rounding = Literal["nearest", "stochastic", "kahan"]
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "kahan")

@@ -19,7 +19,7 @@ from amp_plugin.kernels._apex import ApexKernels
 from amp_plugin.kernels._base import Kernels
 from amp_plugin.kernels._foreach import TorchKernels
 
-__all__ = ["BACKENDS", "Backend", "Kernels", "get_kernels"]
+__all__ = ["Backend", "Kernels"]
 
 Backend = Literal["auto", "torch", "apex"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "apex")

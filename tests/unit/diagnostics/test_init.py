@@ -14,6 +14,7 @@ HOMES = {
     "audit_model": "audit",
     "device_report": "device_report",
     "format_device_report": "device_report",
+    "fp8_report": "fp8_report",
     "nonfinite_gradients": "nonfinite",
     "check_optimizer_setup": "optimizer_check",
     "NonFiniteTracer": "tracer",
