@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from amp_plugin._run import RunOptions
 from amp_plugin._scale_policy import ScaleFloorWarning, SkipStreakWarning
 from amp_plugin._scaler import LossScaler
 from amp_plugin.autocast import AutocastDataParallel, autocast_state, propagate_autocast
@@ -27,6 +28,7 @@ __all__ = [
     "AutocastDataParallel",
     "LossScaleMonitor",
     "LossScaler",
+    "RunOptions",
     "ScaleFloorWarning",
     "SkipStreakWarning",
     "autocast_state",

@@ -52,7 +52,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
     """Mixed precision for ``Fabric(plugins=[AMPPrecision(...)])``, with amp_plugin's loss scaler.
 
     The arguments are the Trainer plugin's (:class:`amp_plugin.AMPPrecision`): both hand them to one
-    :class:`~amp_plugin._run.AMPRun`, which checks them and builds the run.
+    core, which checks them and builds the run.
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
@@ -68,7 +68,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         **options: keyword-only, as for the Trainer's plugin: ``kernels``, ``fp32_modules``,
             ``fp32_functions``, ``clip_fused``, ``lr_on_skip``, ``master_weights``, ``keep_fp32``,
             ``rounding``, ``rounding_seed``, ``guard``, ``fp8``, ``fp32_grad_accumulation``,
-            ``spike_guard``; each is described in :class:`~amp_plugin._run.RunOptions`. Under Fabric,
+            ``spike_guard``; each is described in :class:`~amp_plugin.RunOptions`. Under Fabric,
             ``lr_on_skip`` acts on schedulers wrapped by :meth:`skip_aware`; ``fp8`` converts the
             layers in ``fabric.setup(model)`` (:attr:`fp8_report` says which). Two ask for what only
             the Trainer does: ``clip_fused=True`` (``fabric.clip_gradients`` unscales before it

@@ -45,7 +45,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
     A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
     ThroughputMonitor and checkpoint code treat it as one), driving a :class:`LossScaler`.
     Fabric's :class:`amp_plugin.fabric.AMPPrecision` takes the same arguments: both hand them to
-    one :class:`~amp_plugin._run.AMPRun`, which checks them and builds the run.
+    one core, which checks them and builds the run.
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
@@ -59,7 +59,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         **options: keyword-only: ``kernels``, ``fp32_modules``, ``fp32_functions``, ``clip_fused``,
             ``lr_on_skip``, ``master_weights``, ``keep_fp32``, ``rounding``, ``rounding_seed``,
             ``guard``, ``fp8``, ``fp32_grad_accumulation``, ``spike_guard``; each is described in
-            :class:`~amp_plugin._run.RunOptions`. Under the Trainer, ``clip_fused="auto"`` takes the
+            :class:`~amp_plugin.RunOptions`. Under the Trainer, ``clip_fused="auto"`` takes the
             fast clipping path unless the LightningModule or a callback overrides
             ``on_before_optimizer_step`` or ``configure_gradient_clipping``; ``lr_on_skip`` acts on
             step-interval schedulers (in manual optimization declare them with
