@@ -53,10 +53,16 @@ def test_plot_without_matplotlib_fails_at_construction(monkeypatch: pytest.Monke
         LossScaleMonitor(plot_path="scale.png")
 
 
+def _one_skip(grad_norm: float) -> dict[str, Any]:
+    """What a monitor with window=4 (the other settings its defaults) saves after one skipped step."""
+    health = SkipHealth(warmup_steps=100, window=4, max_consecutive_skips=10, max_skip_rate=0.05)
+    health.observe(True, 512.0)
+    return {"health": health.state_dict(), "records": [[1, 512.0, 1, grad_norm, True]]}
+
+
 def test_monitor_state_dict_round_trip_uses_plain_values() -> None:
     monitor = LossScaleMonitor(window=4)
-    monitor._health.observe(True, 512.0)
-    monitor._records.append(ScaleRecord(1, 512.0, 1, float("inf"), True))
+    monitor.load_state_dict(_one_skip(float("inf")))
     state = monitor.state_dict()
     assert state["records"] == [(1, 512.0, 1, float("inf"), True)] and type(state["records"][0]) is tuple
     other = LossScaleMonitor(window=4)
@@ -70,8 +76,7 @@ def test_monitor_state_dict_round_trip_uses_plain_values() -> None:
 
 def _monitor() -> LossScaleMonitor:
     monitor = LossScaleMonitor(window=4)
-    monitor._health.observe(True, 512.0)
-    monitor._records.append(ScaleRecord(1, 512.0, 1, 2.5, True))
+    monitor.load_state_dict(_one_skip(2.5))
     return monitor
 
 
@@ -110,14 +115,19 @@ def test_monitor_load_state_dict_checks_everything_before_changing_anything(
     before = monitor.state_dict()
     with pytest.raises(error, match=r"^LossScaleMonitor\.load_state_dict\(" + match + r".*HINT"):
         monitor.load_state_dict(state)
-    assert monitor.state_dict() == before and not monitor._restored
+    assert monitor.state_dict() == before
+    fresh = LossScaleMonitor(window=4)
+    with pytest.raises(error):
+        fresh.load_state_dict(state)
+    assert not fresh._restored  # a refused state is no resume (seen only inside a fit otherwise)
 
 
 def test_monitor_loads_records_saved_as_lists() -> None:
     monitor = LossScaleMonitor(window=4)
     state = _monitor_state()
     monitor.load_state_dict({**state, "records": [list(r) for r in state["records"]]})  # e.g. through JSON
-    assert monitor.history == [ScaleRecord(*r) for r in state["records"]] and monitor._health.steps == 8
+    assert monitor.history == [ScaleRecord(*r) for r in state["records"]]
+    assert monitor.state_dict()["health"]["steps"] == 8
 
 
 def test_history_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
