@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from amp_plugin._run import RunOptions
+from amp_plugin._scale_policy import ScaleFloorWarning, SkipStreakWarning
+from amp_plugin._scaler import LossScaler
 from amp_plugin.autocast import AutocastDataParallel, autocast_state, propagate_autocast
 from amp_plugin.kernels import get_kernels
-from amp_plugin.scaler import LossScaler
 
 if TYPE_CHECKING:
-    from amp_plugin.lightning import AMPFSDPPrecision, AMPPrecision, LossScaleMonitor
+    from amp_plugin.lightning._fsdp import AMPFSDPPrecision
+    from amp_plugin.lightning._monitor import LossScaleMonitor
+    from amp_plugin.lightning._plugin import AMPPrecision
 
 __version__ = "0.1.0"
 
@@ -24,15 +28,18 @@ __all__ = [
     "AutocastDataParallel",
     "LossScaleMonitor",
     "LossScaler",
+    "RunOptions",
+    "ScaleFloorWarning",
+    "SkipStreakWarning",
     "autocast_state",
     "get_kernels",
     "propagate_autocast",
 ]
 
 _LAZY = {
-    "AMPFSDPPrecision": "amp_plugin.lightning",
-    "AMPPrecision": "amp_plugin.lightning",
-    "LossScaleMonitor": "amp_plugin.lightning",
+    "AMPFSDPPrecision": "amp_plugin.lightning._fsdp",
+    "AMPPrecision": "amp_plugin.lightning._plugin",
+    "LossScaleMonitor": "amp_plugin.lightning._monitor",
 }
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from amp_plugin._scaler import LossScaler
 from amp_plugin._validation import fail
-from amp_plugin.scaler import LossScaler
 
 __all__ = ["use_loss_scaler"]
 

@@ -24,15 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from amp_plugin._validation import autocast_device_types, check_device_type, fail
 
-__all__ = [
-    "AutocastDataParallel",
-    "AutocastState",
-    "CarriedFunctionMode",
-    "DeviceAutocast",
-    "autocast_state",
-    "find_data_parallel",
-    "propagate_autocast",
-]
+__all__ = ["AutocastState", "CarriedFunctionMode", "find_data_parallel"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

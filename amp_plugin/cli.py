@@ -1,7 +1,7 @@
 """Command line: ``python -m amp_plugin doctor [--model pkg.module:factory] [--json] [--no-measure] [--ops]``.
 
 ``doctor --fp8 [RECIPE] [--model pkg.module:factory]`` reports fp8 instead (see
-:mod:`amp_plugin.diagnostics.fp8_report`).
+:mod:`amp_plugin.diagnostics._fp8_report`).
 
 Also installed as the ``amp-plugin`` console script; ``--version`` prints the version. Exit
 status: 0 when all is well, 1 when the model audit has errors, 2 for a usage error (bad
@@ -27,15 +27,15 @@ from torch import nn
 from amp_plugin import __version__
 from amp_plugin._validation import fail
 from amp_plugin.diagnostics import (
-    AuditReport,
-    AutocastOps,
     audit_model,
     device_report,
     format_autocast_ops,
     format_device_report,
     probe_autocast_ops,
 )
-from amp_plugin.diagnostics.fp8_report import format_fp8_report, fp8_hardware, fp8_report
+from amp_plugin.diagnostics._audit import AuditReport
+from amp_plugin.diagnostics._autocast_ops import AutocastOps
+from amp_plugin.diagnostics._fp8_report import format_fp8_report, fp8_hardware, fp8_report
 from amp_plugin.fp8 import RECIPES
 
 __all__ = ["load_model", "main"]

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from amp_plugin._distributed import _all_gather, _check_group, _world_size
 from amp_plugin._validation import check_int, fail
-from amp_plugin.distributed import _all_gather, _check_group, _world_size
 
 if TYPE_CHECKING:
-    from amp_plugin.scaler import LossScaler
+    from amp_plugin._scaler import LossScaler
 
 __all__ = ["ConsistencyCheck", "check_consistency"]
 

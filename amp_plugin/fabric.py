@@ -5,12 +5,12 @@ The same name as the Trainer's plugin (``amp_plugin.AMPPrecision``), as Lightnin
 amp_plugin`` does not).
 
 A Fabric ``MixedPrecision`` driving a :class:`~amp_plugin.LossScaler` instead of a
-``torch.amp.GradScaler``, through the same :class:`~amp_plugin.step.StepDriver` as the Trainer's
+``torch.amp.GradScaler``, through the same :class:`~amp_plugin._step.StepDriver` as the Trainer's
 plugin: steps with an inf/NaN loss or gradient are skipped in every precision (on every DDP rank
 alike, since the scaler or guard agrees on its inf flag across the default process group), and
 ``fabric.clip_gradients`` clips the unscaled gradients, of fused optimizers too. The Trainer
 plugin's half-precision weights come along: fp32 master weights (Apex's O2), the "-true"
-precisions with stochastic or Kahan rounding (:class:`~amp_plugin.half_weights.HalfWeights`), a
+precisions with stochastic or Kahan rounding (:class:`~amp_plugin._half_weights.HalfWeights`), a
 scheduler that holds on a skipped step (:meth:`AMPPrecision.skip_aware`), and the ``amp/*``
 values for ``fabric.log_dict`` (:meth:`AMPPrecision.metrics`).
 """
@@ -32,17 +32,18 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from amp_plugin import fp32_policy
+from amp_plugin._optim import unwrap_optimizer
+from amp_plugin._run import AMPRun, RunOptions
+from amp_plugin._scaler import LossScaler
+from amp_plugin._schedulers import SkipAwareScheduler
 from amp_plugin._validation import fail
-from amp_plugin.lightning import _compat, checks
-from amp_plugin.lightning import checkpoint as checkpoints
+from amp_plugin.lightning import _checkpoint as checkpoints
+from amp_plugin.lightning import _checks as checks
+from amp_plugin.lightning import _compat
 from amp_plugin.lightning._monitor_values import amp_metrics
+from amp_plugin.lightning._opt_levels import opt_level_arguments
 from amp_plugin.lightning._run_view import RunView
-from amp_plugin.lightning.opt_levels import opt_level_arguments
-from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.precision import Precision as PrecisionName
-from amp_plugin.run import AMPRun, RunOptions
-from amp_plugin.scaler import LossScaler
-from amp_plugin.schedulers import SkipAwareScheduler
 
 __all__ = ["AMPPrecision"]
 
@@ -51,7 +52,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
     """Mixed precision for ``Fabric(plugins=[AMPPrecision(...)])``, with amp_plugin's loss scaler.
 
     The arguments are the Trainer plugin's (:class:`amp_plugin.AMPPrecision`): both hand them to one
-    :class:`~amp_plugin.run.AMPRun`, which checks them and builds the run.
+    core, which checks them and builds the run.
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
@@ -67,7 +68,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         **options: keyword-only, as for the Trainer's plugin: ``kernels``, ``fp32_modules``,
             ``fp32_functions``, ``clip_fused``, ``lr_on_skip``, ``master_weights``, ``keep_fp32``,
             ``rounding``, ``rounding_seed``, ``guard``, ``fp8``, ``fp32_grad_accumulation``,
-            ``spike_guard``; each is described in :class:`~amp_plugin.run.RunOptions`. Under Fabric,
+            ``spike_guard``; each is described in :class:`~amp_plugin.RunOptions`. Under Fabric,
             ``lr_on_skip`` acts on schedulers wrapped by :meth:`skip_aware`; ``fp8`` converts the
             layers in ``fabric.setup(model)`` (:attr:`fp8_report` says which). Two ask for what only
             the Trainer does: ``clip_fused=True`` (``fabric.clip_gradients`` unscales before it
@@ -122,7 +123,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
         O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
         master weights, O3 pure fp16 (static loss scale 1.0, as in Apex); ``overrides`` take Apex's
-        or this class's keywords (see :mod:`amp_plugin.lightning.opt_levels`).
+        or this class's keywords (see :mod:`amp_plugin.lightning._opt_levels`).
 
         Example:
             >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")

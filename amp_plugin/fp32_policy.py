@@ -24,7 +24,7 @@ from amp_plugin._validation import autocast_device_types, fail
 from amp_plugin.autocast import CarriedFunctionMode, autocast_state
 from amp_plugin.precision import default_dtype
 
-__all__ = ["Fp32Functions", "Fp32Modules", "check_functions", "check_module_classes", "force_fp32"]
+__all__ = ["Fp32Functions", "check_functions", "force_fp32"]
 
 
 def _to_fp32(value: Any) -> Any:

@@ -53,23 +53,10 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from amp_plugin._imports import require_torchao
+from amp_plugin._sharding import has_dtensor
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
-from amp_plugin.sharding import has_dtensor
 
-__all__ = [
-    "FP8_MULTIPLE",
-    "MIN_FEATURES",
-    "RECIPES",
-    "Float8",
-    "Float8Report",
-    "LayerChoice",
-    "Recipe",
-    "check_fp8_request",
-    "convert",
-    "float8_layer_names",
-    "plain_tensor",
-    "select_layers",
-]
+__all__ = ["RECIPES", "Float8", "Float8Report", "convert", "select_layers"]
 
 Recipe: TypeAlias = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 RECIPES: tuple[Recipe, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")

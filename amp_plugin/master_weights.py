@@ -40,19 +40,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._validation import fail
 from amp_plugin.fp32_policy import check_module_classes
-from amp_plugin.optim import unwrap_optimizer
 
-__all__ = [
-    "NORM_LAYERS",
-    "MasterWeights",
-    "NormLayer",
-    "cast_model",
-    "check_half_dtype",
-    "check_master_weights",
-    "masters_of",
-]
+__all__ = ["MasterWeights", "NormLayer", "cast_model", "masters_of"]
 
 #: What ``master_weights=`` takes: fp32 masters (``True``), none (``False``), or bf16 plus a remainder.
 MasterMode = bool | Literal["remainder"]

@@ -30,24 +30,7 @@ from torch import Tensor
 
 from amp_plugin._validation import check_choice, check_int, fail
 
-__all__ = [
-    "BF16_EPS",
-    "BF16_MAX",
-    "BF16_MIN_NORMAL",
-    "BF16_MIN_SUBNORMAL",
-    "FP16_EPS",
-    "FP16_MAX",
-    "FP16_MIN_NORMAL",
-    "FP16_MIN_SUBNORMAL",
-    "FP32_EPS",
-    "FP32_MAX",
-    "FP32_MIN_NORMAL",
-    "FP32_MIN_SUBNORMAL",
-    "Limits",
-    "fixed_point",
-    "limits",
-    "stochastic_round",
-]
+__all__ = ["Limits", "fixed_point", "limits", "stochastic_round"]
 
 FP16_MAX = 65504.0  # largest finite float16; x.to(float16) is inf from 65520 on
 FP16_MIN_NORMAL = 2.0**-14  # below it float16 keeps fewer than 11 significant bits

@@ -18,19 +18,7 @@ import torch
 
 from amp_plugin._validation import check_device_type, fail
 
-__all__ = [
-    "PRECISIONS",
-    "Precision",
-    "auto_precision_reason",
-    "check_device",
-    "check_precision",
-    "cpu_emulation_note",
-    "cpuinfo",
-    "default_dtype",
-    "native_on_cpu",
-    "resolve_precision",
-    "true_dtype",
-]
+__all__ = ["auto_precision_reason", "check_device", "native_on_cpu", "resolve_precision"]
 
 Precision = Literal["16-mixed", "bf16-mixed", "auto", "16-true", "bf16-true", "32-true"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)

@@ -31,11 +31,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._validation import check_choice, check_int, fail
 from amp_plugin.numerics import stochastic_round
-from amp_plugin.optim import unwrap_optimizer
 
-__all__ = ["KAHAN_KEY", "ROUNDINGS", "RoundedUpdates"]
+__all__ = ["RoundedUpdates"]
 
 Rounding = Literal["nearest", "stochastic", "kahan"]
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "kahan")

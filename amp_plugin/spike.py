@@ -27,7 +27,7 @@ from torch import Tensor
 
 from amp_plugin._validation import check_int, check_number, fail
 
-__all__ = ["Signal", "SpikeGuard", "check_spike_guard"]
+__all__ = ["SpikeGuard"]
 
 Signal = Literal["loss", "grad_norm"]
 _SIGNALS: tuple[Signal, ...] = ("loss", "grad_norm")

@@ -44,8 +44,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amp_plugin import LossScaler
+from amp_plugin._distributed import all_reduce_found_inf
 from amp_plugin.consistency import check_consistency
-from amp_plugin.distributed import all_reduce_found_inf
 
 WORLD = 2
 MODES = {"sync off": False, "sync on": True}

@@ -3,7 +3,7 @@
 Error rows (``--rows error``, measured on the CPU everywhere):
 
 * per-layer SQNR (dB) of the output and of the weight gradient of every fp8-shaped Linear of a
-  small transformer (``--dim``), from ``amp_plugin.diagnostics.fp8_report`` on a sample batch of
+  small transformer (``--dim``), from ``amp_plugin.diagnostics._fp8_report`` on a sample batch of
   real activations, and how long that report took (what ``doctor --fp8`` costs);
 * the loss gap: the same model trained ``--steps`` AdamW steps under bf16 autocast and with
   fp8 layers (tensorwise, rowwise), same weights and batches; the mean loss of the last tenth of
@@ -67,7 +67,7 @@ from _report_tables import loss_gap_row
 from torch import Tensor, nn
 
 from amp_plugin import _imports
-from amp_plugin.diagnostics.fp8_report import fp8_hardware, fp8_report
+from amp_plugin.diagnostics._fp8_report import fp8_hardware, fp8_report
 from amp_plugin.fp8 import RECIPES, Float8, convert
 
 VOCAB, SEQ = 256, 64  # the error rows' language model

@@ -81,7 +81,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision
-from amp_plugin.diagnostics.host_reads import HostReads
+from amp_plugin.diagnostics._host_reads import HostReads
 
 FP32 = "fp32"
 MP_BF16, AMP_BF16 = "Lightning MixedPrecision bf16", "AMPPrecision bf16"

@@ -211,6 +211,6 @@ def _group_initialised() -> bool:
 
 def _forget_said_once() -> None:
     # AMPPrecision says "this CPU emulates ..." once per process; each test is a process of its own.
-    run = sys.modules.get("amp_plugin.run")
+    run = sys.modules.get("amp_plugin._run")
     if run is not None:
         run._SAID.clear()

@@ -60,9 +60,10 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
     scaler = (tmp_path / "reference" / "scaler" / "index.html").read_text()
-    assert 'id="amp_plugin.scaler.LossScaler"' in scaler
-    # the page opens with the class users call, before the state machine it keeps
-    assert scaler.index('id="amp_plugin.scaler.LossScaler"') < scaler.index('id="amp_plugin.scaler.Stage"')
+    # the page documents the public path of the class users call, then its warnings; no private path
+    assert scaler.index('id="amp_plugin.LossScaler"') < scaler.index('id="amp_plugin.ScaleFloorWarning"')
+    for page in (tmp_path / "reference").rglob("index.html"):  # the reference documents public paths only
+        assert not re.search(r'id="amp_plugin(\.\w+)*\._', page.read_text()), page
     # code wraps instead of scrolling sideways; identifiers in tables do not break mid-word
     css = (tmp_path / "css" / "extra.css").read_text()
     assert "pre-wrap" in css and "keep-all" in css

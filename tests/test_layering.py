@@ -33,13 +33,13 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "core",
         _in_package(
-            "optim scaler _scaler_rules _iteration scale_policy clipping sharding distributed consistency "
-            "precision autocast fp32_policy numerics master_weights rounded_updates half_weights schedulers "
-            "grad_accumulation fp8 spike diagnostics diagnostics.*"
+            "_optim _scaler _scaler_rules _iteration _scale_policy _clipping _sharding _distributed "
+            "consistency precision autocast fp32_policy numerics master_weights rounded_updates "
+            "_half_weights _schedulers grad_accumulation fp8 spike diagnostics diagnostics.*"
         ),
     ),
-    ("step", _in_package("step")),
-    ("run", _in_package("run")),
+    ("step", _in_package("_step")),
+    ("run", _in_package("_run")),
     ("adapters", _in_package("lightning lightning.* accelerate fabric")),
     # The package's own __init__ re-exports from the layers below (its Lightning names on first use),
     # so only the command line sits above it.
@@ -212,14 +212,14 @@ def layering_problems(graph: dict[str, set[str]]) -> list[str]:
 
 def test_a_layered_graph_passes() -> None:
     graph = {
-        "amp_plugin.cli": {"amp_plugin", "amp_plugin.scaler"},
-        "amp_plugin": {"amp_plugin.scaler", "amp_plugin.lightning"},
-        "amp_plugin.lightning": {"amp_plugin.step", "amp_plugin.scaler"},
-        "amp_plugin.step": {"amp_plugin.scaler"},
-        "amp_plugin.scaler": {"amp_plugin.clipping", "amp_plugin.kernels", "amp_plugin._validation"},
-        "amp_plugin.clipping": {"amp_plugin.kernels.foreach"},
-        "amp_plugin.kernels": {"amp_plugin.kernels.foreach"},
-        "amp_plugin.kernels.foreach": {"amp_plugin._validation"},
+        "amp_plugin.cli": {"amp_plugin", "amp_plugin._scaler"},
+        "amp_plugin": {"amp_plugin._scaler", "amp_plugin.lightning"},
+        "amp_plugin.lightning": {"amp_plugin._step", "amp_plugin._scaler"},
+        "amp_plugin._step": {"amp_plugin._scaler"},
+        "amp_plugin._scaler": {"amp_plugin._clipping", "amp_plugin.kernels", "amp_plugin._validation"},
+        "amp_plugin._clipping": {"amp_plugin.kernels._foreach"},
+        "amp_plugin.kernels": {"amp_plugin.kernels._foreach"},
+        "amp_plugin.kernels._foreach": {"amp_plugin._validation"},
         "amp_plugin._validation": set(),
     }
     assert layering_problems(graph) == []
@@ -227,38 +227,38 @@ def test_a_layered_graph_passes() -> None:
 
 def test_a_planted_cycle_is_caught_within_one_layer() -> None:
     graph = {
-        "amp_plugin.scaler": {"amp_plugin.clipping"},
-        "amp_plugin.clipping": {"amp_plugin.distributed"},
-        "amp_plugin.distributed": {"amp_plugin.consistency"},
-        "amp_plugin.consistency": {"amp_plugin.scaler"},
+        "amp_plugin._scaler": {"amp_plugin._clipping"},
+        "amp_plugin._clipping": {"amp_plugin._distributed"},
+        "amp_plugin._distributed": {"amp_plugin.consistency"},
+        "amp_plugin.consistency": {"amp_plugin._scaler"},
     }
     assert layering_problems(graph) == [
-        "import cycle: amp_plugin.clipping -> amp_plugin.distributed -> amp_plugin.consistency"
-        " -> amp_plugin.scaler -> amp_plugin.clipping"
+        "import cycle: amp_plugin._clipping -> amp_plugin._distributed -> amp_plugin.consistency"
+        " -> amp_plugin._scaler -> amp_plugin._clipping"
     ]
 
 
 def test_a_planted_upward_import_is_caught() -> None:
     graph = {
-        "amp_plugin.scaler": {"amp_plugin.step", "amp_plugin._validation"},
-        "amp_plugin.step": {"amp_plugin.lightning.plugin"},
-        "amp_plugin.lightning.plugin": {"amp_plugin._validation"},
+        "amp_plugin._scaler": {"amp_plugin._step", "amp_plugin._validation"},
+        "amp_plugin._step": {"amp_plugin.lightning._plugin"},
+        "amp_plugin.lightning._plugin": {"amp_plugin._validation"},
         "amp_plugin._validation": set(),
     }
     assert layering_problems(graph) == [
-        "amp_plugin.scaler (core) -> amp_plugin.step (step)",
-        "amp_plugin.step (step) -> amp_plugin.lightning.plugin (adapters)",
+        "amp_plugin._scaler (core) -> amp_plugin._step (step)",
+        "amp_plugin._step (step) -> amp_plugin.lightning._plugin (adapters)",
     ]
 
 
 def test_a_cycle_through_layers_is_reported_with_its_upward_edge() -> None:
     graph = {
-        "amp_plugin.kernels.base": {"amp_plugin.scaler"},
-        "amp_plugin.scaler": {"amp_plugin.kernels.base"},
+        "amp_plugin.kernels._base": {"amp_plugin._scaler"},
+        "amp_plugin._scaler": {"amp_plugin.kernels._base"},
     }
     assert layering_problems(graph) == [
-        "import cycle: amp_plugin.kernels.base -> amp_plugin.scaler -> amp_plugin.kernels.base",
-        "amp_plugin.kernels.base (kernels) -> amp_plugin.scaler (core)",
+        "import cycle: amp_plugin._scaler -> amp_plugin.kernels._base -> amp_plugin._scaler",
+        "amp_plugin.kernels._base (kernels) -> amp_plugin._scaler (core)",
     ]
 
 
@@ -271,22 +271,22 @@ def test_a_module_without_a_layer_is_refused() -> None:
     ("source", "expected"),
     [
         ("import lightning.pytorch as pl", {("lightning.pytorch", False)}),
-        ("from amp_plugin.scaler import LossScaler", {("amp_plugin.scaler", False)}),
-        ("from amp_plugin import scaler", {("amp_plugin.scaler", False)}),
+        ("from amp_plugin._scaler import LossScaler", {("amp_plugin._scaler", False)}),
+        ("from amp_plugin import _scaler", {("amp_plugin._scaler", False)}),
         ("from amp_plugin import LossScaler", {("amp_plugin", False)}),
-        ("def f():\n    from amp_plugin.scaler import X", {("amp_plugin.scaler", True)}),
+        ("def f():\n    from amp_plugin._scaler import X", {("amp_plugin._scaler", True)}),
         ("class C:\n    def f(self):\n        import accelerate", {("accelerate", True)}),
-        ("if TYPE_CHECKING:\n    from amp_plugin.scaler import X", {("amp_plugin.scaler", False)}),
+        ("if TYPE_CHECKING:\n    from amp_plugin._scaler import X", {("amp_plugin._scaler", False)}),
         ("try:\n    import apex\nexcept ImportError:\n    pass", {("apex", False)}),
         ("def f():\n    importlib.import_module('amp_plugin.numerics')", {("amp_plugin.numerics", True)}),
         ("m = import_module('amp_plugin.consistency')", {("amp_plugin.consistency", False)}),
-        ("from .base import Kernels", {("amp_plugin.kernels.base", False)}),
-        ("from . import base", {("amp_plugin.kernels.base", False)}),
+        ("from ._base import Kernels", {("amp_plugin.kernels._base", False)}),
+        ("from . import _base", {("amp_plugin.kernels._base", False)}),
     ],
 )
 def test_every_form_of_import_is_seen(source: str, expected: set[tuple[str, bool]]) -> None:
-    modules = {"amp_plugin", "amp_plugin.scaler", "amp_plugin.kernels", "amp_plugin.kernels.base"}
-    found = {(i.module(modules), i.in_function) for i in imports_in(source, "amp_plugin.kernels.foreach")}
+    modules = {"amp_plugin", "amp_plugin._scaler", "amp_plugin.kernels", "amp_plugin.kernels._base"}
+    found = {(i.module(modules), i.in_function) for i in imports_in(source, "amp_plugin.kernels._foreach")}
     assert found == expected
 
 
@@ -296,11 +296,11 @@ def test_every_form_of_import_is_seen(source: str, expected: set[tuple[str, bool
 def test_the_walk_sees_the_package() -> None:
     imports = package_imports()
     graph = internal_graph(imports)
-    assert "amp_plugin.scaler" in graph["amp_plugin.step"]  # a module-level import
-    assert "amp_plugin.scaler" in graph["amp_plugin.consistency"]  # under TYPE_CHECKING
+    assert "amp_plugin._scaler" in graph["amp_plugin._step"]  # a module-level import
+    assert "amp_plugin._scaler" in graph["amp_plugin.consistency"]  # under TYPE_CHECKING
     assert Import("accelerate", in_function=True) in imports["amp_plugin.accelerate"]  # an importlib string
     figure = Import("matplotlib.figure.Figure", in_function=True, parent="matplotlib.figure")
-    assert figure in imports["amp_plugin.diagnostics.health_plot"]  # an import inside a function
+    assert figure in imports["amp_plugin.diagnostics._health_plot"]  # an import inside a function
 
 
 def test_every_module_has_a_layer() -> None:
@@ -391,10 +391,11 @@ def reexported_names(source: str, module: str, is_package: bool = False) -> list
 
 
 def test_a_planted_reexport_is_caught() -> None:
-    module = "from amp_plugin.optim import unwrap_optimizer\n__all__ = ['LossScaler', 'unwrap_optimizer']\n"
+    module = "from amp_plugin._optim import unwrap_optimizer\n__all__ = ['LossScaler', 'unwrap_optimizer']\n"
     module += "class LossScaler: ..."
-    assert reexported_names(module, "amp_plugin.scaler") == ["unwrap_optimizer"]
-    package = "from amp_plugin.scaler import LossScaler\nfrom torch import nn\n__all__ = ['LossScaler', 'nn']"
+    assert reexported_names(module, "amp_plugin._scaler") == ["unwrap_optimizer"]
+    package = "from amp_plugin._scaler import LossScaler\nfrom torch import nn\n"
+    package += "__all__ = ['LossScaler', 'nn']"
     assert reexported_names(package, "amp_plugin", is_package=True) == ["nn"]
     assert reexported_names(package, "amp_plugin.diagnostics", is_package=True) == ["LossScaler", "nn"]
 

@@ -96,8 +96,8 @@ def _public_objects() -> list[tuple[str, str, object]]:
         module = importlib.import_module(name)
         for attr in getattr(module, "__all__", []):
             obj = getattr(module, attr)
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == name:
-                found.append((name, attr, obj))
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                found.append((name, attr, obj))  # its public path (a private module may define it)
     return found
 
 

@@ -15,11 +15,11 @@ import torch
 
 from amp_plugin import _imports
 from amp_plugin._validation import _device_hint, fail
-from amp_plugin.kernels.apex import ApexKernels
-from amp_plugin.kernels.base import Kernels
-from amp_plugin.kernels.foreach import TorchKernels
+from amp_plugin.kernels._apex import ApexKernels
+from amp_plugin.kernels._base import Kernels
+from amp_plugin.kernels._foreach import TorchKernels
 
-__all__ = ["BACKENDS", "Backend", "Kernels", "get_kernels"]
+__all__ = ["Backend", "Kernels"]
 
 Backend = Literal["auto", "torch", "apex"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "apex")

@@ -8,7 +8,7 @@ upgrade that renames one fails there rather than in a user's run. Also relied up
   between the closure and the step; ``AMPFSDPPrecision`` inherits it from ``FSDPPrecision``.
 - Lightning files a precision plugin's non-empty ``state_dict`` under the class's ``__qualname__``
   (``"MixedPrecision"`` for its own; the pre-2.0 key was ``"native_amp_scaling_state"``), which is
-  where :mod:`amp_plugin.lightning.checkpoint` looks for a foreign scaler state. Lightning also loads
+  where :mod:`amp_plugin.lightning._checkpoint` looks for a foreign scaler state. Lightning also loads
   ``checkpoint["native_amp_scaling_state"]`` into any MixedPrecision after ``on_load_checkpoint``
   has loaded it: the same state twice, which changes nothing.
 - ``Trainer.callback_metrics`` returns the logger connector's own dict, kept for the whole fit

@@ -1,6 +1,6 @@
 """The values ``LossScaleMonitor`` reports: built once, sent to the loggers and to ``callback_metrics``.
 
-Kept apart from :mod:`amp_plugin.lightning.monitor` so that the callback reads as hooks. The
+Kept apart from :mod:`amp_plugin.lightning._monitor` so that the callback reads as hooks. The
 numbers arrive here as Python values the monitor has already read from the device, so
 publishing them costs no host sync.
 """
@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from amp_plugin import clipping
-from amp_plugin.scaler import LossScaler
+from amp_plugin import _clipping as clipping
+from amp_plugin._scaler import LossScaler
 
 __all__ = ["amp_metrics", "publish"]
 

@@ -1,4 +1,4 @@
-"""What both ``AMPPrecision`` classes (Trainer, Fabric) show of their :class:`~amp_plugin.run.AMPRun`.
+"""What both ``AMPPrecision`` classes (Trainer, Fabric) show of their :class:`~amp_plugin._run.AMPRun`.
 
 Written once: each attribute reads the plugin's run, so the two plugins cannot drift apart. Only
 ``scaler`` can be assigned (between steps); the settings are fixed when the plugin is built.
@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from amp_plugin.run import AMPRun
-from amp_plugin.scaler import LossScaler
+from amp_plugin._run import AMPRun
+from amp_plugin._scaler import LossScaler
 
 __all__ = ["RunView"]
 
@@ -54,7 +54,7 @@ class RunView:
     )
     driver = _read(
         "driver",
-        "The :class:`~amp_plugin.step.StepDriver` of this plugin's steps (which were skipped, per optimizer "
+        "The :class:`~amp_plugin._step.StepDriver` of this plugin's steps (which were skipped, per optimizer "
         "and per batch); ``None`` until the precision is resolved.",
     )
 

@@ -1,6 +1,6 @@
 """Test doubles. :func:`fake_apex` puts a pure-torch ``amp_C`` where ``amp_plugin`` looks for Apex.
 
-Use it from a fixture, so that the real :class:`~amp_plugin.kernels.apex.ApexKernels` runs on CPU::
+Use it from a fixture, so that the real :class:`~amp_plugin.kernels._apex.ApexKernels` runs on CPU::
 
     @pytest.fixture
     def fake() -> Iterator[FakeApex]:
@@ -71,7 +71,7 @@ def fake_apex(*, chunk_size: int = CHUNK_SIZE, cpu: bool = True) -> Iterator[Fak
             module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # what find_spec reports of it
             patch.setitem(sys.modules, name, module)
         if cpu:
-            from amp_plugin.kernels.apex import ApexKernels
+            from amp_plugin.kernels._apex import ApexKernels
 
             patch.setattr(ApexKernels, "device_types", ApexKernels.device_types | {"cpu"})
         with _fresh_probes():

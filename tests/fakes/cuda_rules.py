@@ -14,7 +14,7 @@ H200 (``shared/gpu/evidence-2026-11``):
   is what the CPU does with its own 0-dim tensors.
 
 :func:`cuda_rules_on_cpu` makes the CPU follow both rules for the duration, and makes
-:class:`~amp_plugin.kernels.foreach.TorchKernels` route CPU tensors the way it routes CUDA ones, so
+:class:`~amp_plugin.kernels._foreach.TorchKernels` route CPU tensors the way it routes CUDA ones, so
 that the CUDA routes run, and are checked against the CPU routes, without a GPU.
 """
 
@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from amp_plugin.kernels.foreach import TorchKernels
+from amp_plugin.kernels._foreach import TorchKernels
 
 __all__ = ["cuda_rules_on_cpu"]
 

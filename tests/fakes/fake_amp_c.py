@@ -1,8 +1,8 @@
 """A pure-torch test double of Apex's ``amp_C`` and ``apex.multi_tensor_apply.multi_tensor_applier``.
 
-It implements the ``amp_C`` kernels that ``amp_plugin/kernels/apex.py`` calls, with the argument
+It implements the ``amp_C`` kernels that ``amp_plugin/kernels/_apex.py`` calls, with the argument
 rules of Apex's sources, on any device, CPU included, so the real
-:class:`~amp_plugin.kernels.apex.ApexKernels` dispatch code runs without CUDA or Apex:
+:class:`~amp_plugin.kernels._apex.ApexKernels` dispatch code runs without CUDA or Apex:
 
 - ``noop_flag`` is an int32 tensor of at least one element; a kernel only ever sets element 0
   to 1 and never resets it.

@@ -22,16 +22,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from amp_plugin import LossScaler
-from amp_plugin.consistency import ConsistencyCheck, check_consistency
-from amp_plugin.distributed import (
+from amp_plugin._distributed import (
     all_reduce_found_inf,
     check_process_group,
     check_sync_mode,
     global_norm,
     sync_enabled,
 )
+from amp_plugin._sharding import ShardAwareKernels
+from amp_plugin.consistency import ConsistencyCheck, check_consistency
 from amp_plugin.kernels import get_kernels
-from amp_plugin.sharding import ShardAwareKernels
 from tests._ranks import run_ranks
 
 WORLD = 2

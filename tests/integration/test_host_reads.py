@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
-from amp_plugin.diagnostics.host_reads import HostReads
+from amp_plugin.diagnostics._host_reads import HostReads
 
 STEPS, LOG_EVERY = 12, 4
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
-from amp_plugin.step import StepDriver
+from amp_plugin._step import StepDriver
 
 BATCHES = 5  # per epoch
 POISONED = (3, 7)  # global batch indices whose gradients hold an inf

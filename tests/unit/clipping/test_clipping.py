@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from amp_plugin import LossScaler
-from amp_plugin.clipping import clip_grad_norm_, gradients, nonfinite
+from amp_plugin._clipping import clip_grad_norm_, gradients, nonfinite
 from amp_plugin.kernels import get_kernels
 
 SCALE = 2.0**12

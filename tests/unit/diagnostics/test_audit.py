@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.diagnostics.audit``: fp16 hazards found in a model without running it."""
+"""Tests for ``amp_plugin.diagnostics._audit``: fp16 hazards found in a model without running it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_plugin.diagnostics.audit import audit_model
+from amp_plugin.diagnostics._audit import audit_model
 
 
 class HandRMSNorm(nn.Module):

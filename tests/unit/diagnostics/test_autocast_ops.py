@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.diagnostics.autocast_ops``: which dtype common ops run in under autocast."""
+"""Tests for ``amp_plugin.diagnostics._autocast_ops``: which dtype common ops run in under autocast."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from amp_plugin.diagnostics.autocast_ops import AutocastOps, OpProbe, format_autocast_ops, probe_autocast_ops
+from amp_plugin.diagnostics._autocast_ops import AutocastOps, OpProbe, format_autocast_ops, probe_autocast_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -62,7 +62,7 @@ def test_to_dict_is_json_ready() -> None:
 
 
 def test_an_op_that_fails_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    from amp_plugin.diagnostics import autocast_ops
+    from amp_plugin.diagnostics import _autocast_ops as autocast_ops
 
     def broken(t: autocast_ops._Inputs) -> torch.Tensor:
         raise RuntimeError("not implemented for 'BFloat16'")

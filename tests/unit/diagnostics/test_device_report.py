@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.diagnostics.device_report``: what this machine supports, and the doctor's text."""
+"""Tests for ``amp_plugin.diagnostics._device_report``: what this machine supports, and the doctor's text."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from amp_plugin import _imports
-from amp_plugin.diagnostics.device_report import device_report, format_device_report
+from amp_plugin.diagnostics._device_report import device_report, format_device_report
 from amp_plugin.precision import resolve_precision
 
 _MODULE = importlib.import_module(
-    "amp_plugin.diagnostics.device_report"
+    "amp_plugin.diagnostics._device_report"
 )  # the package re-exports a function of that name
 
 

@@ -1,4 +1,4 @@
-"""``amp_plugin.diagnostics.fp8_report`` and ``python -m amp_plugin doctor --fp8``.
+"""``amp_plugin.diagnostics._fp8_report`` and ``python -m amp_plugin doctor --fp8``.
 
 The fp8 error is checked against an independent emulation: both operands scaled to the e4m3
 range by their absolute maximum, cast to ``torch.float8_e4m3fn`` and back, multiplied in fp64.
@@ -18,7 +18,7 @@ from torch import nn
 
 from amp_plugin import _imports
 from amp_plugin.cli import main
-from amp_plugin.diagnostics import fp8_report as doctor
+from amp_plugin.diagnostics import _fp8_report as doctor
 from amp_plugin.fp8 import Float8, float8_layer_names, select_layers
 from tests._fp8_models import TinyLM, batches
 from tests._torch_features import ROWWISE_ON_CPU_REASON, cpu_rowwise_scaled_mm

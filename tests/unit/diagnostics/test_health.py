@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.diagnostics.health`` and ``health_state``: SkipHealth on scripted histories."""
+"""Tests for ``amp_plugin.diagnostics._health`` and ``health_state``: SkipHealth on scripted histories."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from amp_plugin.diagnostics.health import SkipHealth
+from amp_plugin.diagnostics._health import SkipHealth
 
 
 def _run(health: SkipHealth, flags: str, scales: dict[int, float] | None = None) -> list[tuple[int, str]]:

@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.diagnostics.health_plot``: what the saved figure shows."""
+"""Tests for ``amp_plugin.diagnostics._health_plot``: what the saved figure shows."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("matplotlib")
 from matplotlib.figure import Figure
 
-from amp_plugin.diagnostics.health import SkipHealth
-from amp_plugin.diagnostics.health_plot import plot_history
-from amp_plugin.diagnostics.health_state import ScaleRecord
+from amp_plugin.diagnostics._health import SkipHealth
+from amp_plugin.diagnostics._health_plot import plot_history
+from amp_plugin.diagnostics._health_state import ScaleRecord
 
 
 def _drawn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, records: list[ScaleRecord], **kw: Any) -> Figure:
@@ -60,6 +60,6 @@ def test_events_are_marked_and_named_in_the_legend(monkeypatch: pytest.MonkeyPat
 
 
 def test_bad_events_are_refused_before_anything_is_written(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"plot_history\(events=\[\(6,\)\]\) is not allowed here: .*.*HINT"):
+    with pytest.raises(TypeError, match=r"LossScaleMonitor\(plot_events=\[\(6,\)\]\) is not allowed here"):
         plot_history(_records(), tmp_path / "scale.png", SkipHealth(), events=[(6,)])  # type: ignore[list-item]
     assert not (tmp_path / "scale.png").exists()

@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.diagnostics.nonfinite``: which parameters' gradients hold inf/NaN."""
+"""Tests for ``amp_plugin.diagnostics._nonfinite``: which parameters' gradients hold inf/NaN."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_plugin.diagnostics.nonfinite import nonfinite_gradients
+from amp_plugin.diagnostics._nonfinite import nonfinite_gradients
 from tests.unit.diagnostics._models import Net, forward_backward
 
 

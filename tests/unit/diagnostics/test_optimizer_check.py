@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.diagnostics.optimizer_check``: set-ups that would fail later, found at fit start."""
+"""Tests for ``amp_plugin.diagnostics._optimizer_check``: set-ups that would fail at fit start."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from amp_plugin.diagnostics.audit import Finding
-from amp_plugin.diagnostics.optimizer_check import check_optimizer_setup
+from amp_plugin.diagnostics._audit import Finding
+from amp_plugin.diagnostics._optimizer_check import check_optimizer_setup
 
 
 def _codes(findings: list[Finding]) -> list[tuple[str, str]]:

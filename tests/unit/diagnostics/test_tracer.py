@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.diagnostics.tracer``: the first module to produce inf/NaN, forward or backward."""
+"""Tests for ``amp_plugin.diagnostics._tracer``: the first module to produce inf/NaN, forward or backward."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from amp_plugin.diagnostics import tracer as tracer_module
-from amp_plugin.diagnostics.tracer import NonFiniteTracer
+from amp_plugin.diagnostics import _tracer as tracer_module
+from amp_plugin.diagnostics._tracer import NonFiniteTracer
 from tests.unit.diagnostics._models import Boost, GradBoost, Layer, Net, forward_backward
 
 

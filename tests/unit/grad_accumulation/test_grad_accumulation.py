@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from amp_plugin._half_weights import HalfWeights
 from amp_plugin.grad_accumulation import Fp32GradAccumulation
-from amp_plugin.half_weights import HalfWeights
 
 MICRO = 8
 

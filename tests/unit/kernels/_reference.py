@@ -1,4 +1,4 @@
-"""The fp64 reference every kernel backend is checked against (``amp_plugin.kernels.base``'s contract).
+"""The fp64 reference every kernel backend is checked against (``amp_plugin.kernels._base``'s contract).
 
 Nothing here calls a backend or a fused torch op: products are formed in fp64, where the
 product of an fp16/bf16/fp32 element and an fp32 factor is exact (at most 24 + 24 significand
@@ -12,7 +12,7 @@ ulp from rounding the exact product straight to the dtype; for power-of-two fact
 two agree on every fp16/bf16 value, and for fp32 tensors they are the same rounding.
 fp64 tensors are multiplied in fp64, as torch does.
 
-The factor is read unrounded, in fp32, on every device: that is the contract (``amp_plugin.kernels.base``),
+The factor is read unrounded, in fp32, on every device: that is the contract (``amp_plugin.kernels._base``),
 and what the backends do, routing around ``torch._foreach_mul_``'s rounding of a CUDA factor to a
 half tensor's dtype. ``flush=True`` models real Apex ``amp_C`` on CUDA, built with ``--use_fast_math``:
 fp32 subnormal operands and products (below 2**-126, which includes every bf16 subnormal) become a

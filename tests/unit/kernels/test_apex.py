@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.kernels.apex``: ``ApexKernels``' dispatch (through the double), and the double."""
+"""Tests for ``amp_plugin.kernels._apex``: ``ApexKernels``' dispatch (through the double), and the double."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import Kernels
-from amp_plugin.kernels import apex as apex_module
-from amp_plugin.kernels.apex import ApexKernels
+from amp_plugin.kernels import _apex as apex_module
+from amp_plugin.kernels._apex import ApexKernels
 from tests.fakes import FakeApex, fake_amp_c, fake_apex
 from tests.unit.kernels._reference import reference_mul, reference_norm, reference_unscale
 from tests.unit.kernels._tensors import (

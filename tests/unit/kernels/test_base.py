@@ -1,4 +1,4 @@
-"""Contract tests of every kernel backend (``amp_plugin.kernels.base``) against the fp64 reference.
+"""Contract tests of every kernel backend (``amp_plugin.kernels._base``) against the fp64 reference.
 
 The oracle is ``tests/unit/kernels/_reference.py`` (fp64 math, explicit rounding), never a backend;
 where the contract promises bit-identity with a torch op, that op is the second oracle.
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import get_kernels
-from amp_plugin.kernels.apex import ApexKernels
-from amp_plugin.kernels.foreach import TorchKernels
+from amp_plugin.kernels._apex import ApexKernels
+from amp_plugin.kernels._foreach import TorchKernels
 from tests.unit.kernels._reference import reference_mul, reference_norm, reference_unscale, round_to, scaled
 from tests.unit.kernels._tensors import (
     BF16,

@@ -1,4 +1,4 @@
-"""Tests for ``amp_plugin.kernels.foreach``, the torch backend: its CUDA routes, its exact and fast norms."""
+"""Tests for ``amp_plugin.kernels._foreach``, the torch backend: its CUDA routes, its exact and fast norms."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin.kernels import get_kernels
-from amp_plugin.kernels.foreach import TorchKernels
+from amp_plugin.kernels._foreach import TorchKernels
 from tests.fakes.cuda_rules import cuda_rules_on_cpu
 from tests.unit.kernels._tensors import (
     BF16,
@@ -138,7 +138,7 @@ def test_exact_norm_is_torchs_clip_norm_and_fast_norm_is_within_fp32s_error(thre
     and Mary's probabilistic bound), and ``lam = 10`` makes a false failure practically impossible.
     A wrong accumulation (fp16, dropped terms, a lost tensor) misses it by orders of magnitude.
     """
-    from amp_plugin.sharding import ShardAwareKernels
+    from amp_plugin._sharding import ShardAwareKernels
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads or saved)

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from amp_plugin.kernels import get_kernels
-from amp_plugin.kernels.apex import ApexKernels
+from amp_plugin.kernels._apex import ApexKernels
 from tests.fakes import fake_apex, no_apex
 
 # --- choosing a backend ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 from amp_plugin import AMPPrecision, LossScaler
 from amp_plugin.lightning import CHECKPOINT_KEY
-from amp_plugin.lightning.checkpoint import (
+from amp_plugin.lightning._checkpoint import (
     check_scaler_state,
     checkpoint_entry,
     load_scaler_state,

@@ -13,7 +13,7 @@ from torch import nn
 
 from amp_plugin import AMPPrecision
 from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
-from amp_plugin.lightning import checks
+from amp_plugin.lightning import _checks as checks
 from amp_plugin.precision import cpu_emulation_note
 
 

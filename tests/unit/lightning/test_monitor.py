@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from amp_plugin import LossScaleMonitor
-from amp_plugin.diagnostics.health import SkipHealth
-from amp_plugin.diagnostics.health_state import ScaleRecord
+from amp_plugin.diagnostics._health import SkipHealth
+from amp_plugin.diagnostics._health_state import ScaleRecord
 
 
 def _saved() -> dict[str, Any]:
@@ -53,10 +53,16 @@ def test_plot_without_matplotlib_fails_at_construction(monkeypatch: pytest.Monke
         LossScaleMonitor(plot_path="scale.png")
 
 
+def _one_skip(grad_norm: float) -> dict[str, Any]:
+    """What a monitor with window=4 (the other settings its defaults) saves after one skipped step."""
+    health = SkipHealth(warmup_steps=100, window=4, max_consecutive_skips=10, max_skip_rate=0.05)
+    health.observe(True, 512.0)
+    return {"health": health.state_dict(), "records": [[1, 512.0, 1, grad_norm, True]]}
+
+
 def test_monitor_state_dict_round_trip_uses_plain_values() -> None:
     monitor = LossScaleMonitor(window=4)
-    monitor._health.observe(True, 512.0)
-    monitor._records.append(ScaleRecord(1, 512.0, 1, float("inf"), True))
+    monitor.load_state_dict(_one_skip(float("inf")))
     state = monitor.state_dict()
     assert state["records"] == [(1, 512.0, 1, float("inf"), True)] and type(state["records"][0]) is tuple
     other = LossScaleMonitor(window=4)
@@ -70,8 +76,7 @@ def test_monitor_state_dict_round_trip_uses_plain_values() -> None:
 
 def _monitor() -> LossScaleMonitor:
     monitor = LossScaleMonitor(window=4)
-    monitor._health.observe(True, 512.0)
-    monitor._records.append(ScaleRecord(1, 512.0, 1, 2.5, True))
+    monitor.load_state_dict(_one_skip(2.5))
     return monitor
 
 
@@ -110,18 +115,23 @@ def test_monitor_load_state_dict_checks_everything_before_changing_anything(
     before = monitor.state_dict()
     with pytest.raises(error, match=r"^LossScaleMonitor\.load_state_dict\(" + match + r".*HINT"):
         monitor.load_state_dict(state)
-    assert monitor.state_dict() == before and not monitor._restored
+    assert monitor.state_dict() == before
+    fresh = LossScaleMonitor(window=4)
+    with pytest.raises(error):
+        fresh.load_state_dict(state)
+    assert not fresh._restored  # a refused state is no resume (seen only inside a fit otherwise)
 
 
 def test_monitor_loads_records_saved_as_lists() -> None:
     monitor = LossScaleMonitor(window=4)
     state = _monitor_state()
     monitor.load_state_dict({**state, "records": [list(r) for r in state["records"]]})  # e.g. through JSON
-    assert monitor.history == [ScaleRecord(*r) for r in state["records"]] and monitor._health.steps == 8
+    assert monitor.history == [ScaleRecord(*r) for r in state["records"]]
+    assert monitor.state_dict()["health"]["steps"] == 8
 
 
 def test_history_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("amp_plugin.lightning.monitor._MAX_RECORDS", 8)
+    monkeypatch.setattr("amp_plugin.lightning._monitor._MAX_RECORDS", 8)
     monitor = LossScaleMonitor()
     for step in range(100):
         monitor._record(ScaleRecord(step, 1.0, 0, 0.0, False))
@@ -129,8 +139,10 @@ def test_history_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(steps) <= 8 and steps[0] == 0 and steps[-1] == 99 and steps == sorted(steps)
 
 
-def test_the_old_import_path_is_the_same_class() -> None:
+def test_amp_plugin_is_the_one_public_path() -> None:
     import amp_plugin
-    from amp_plugin.lightning import LossScaleMonitor as Home
+    import amp_plugin.lightning
+    from amp_plugin.lightning._monitor import LossScaleMonitor as Home
 
     assert LossScaleMonitor is Home is amp_plugin.LossScaleMonitor
+    assert not hasattr(amp_plugin.lightning, "LossScaleMonitor")

@@ -15,7 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from amp_plugin import AMPPrecision, LossScaler
-from amp_plugin.schedulers import SkipAwareScheduler
+from amp_plugin._schedulers import SkipAwareScheduler
 
 # -- a MixedPrecision to Lightning ------------------------------------------------------------------
 
@@ -242,7 +242,7 @@ def test_fit_start_warnings_point_at_the_plugin() -> None:
         warnings.simplefilter("always")
         AMPPrecision("bf16-mixed", device="cpu").connect(model, [opt], [])
     [warning] = [w for w in caught if "AutocastDataParallel" in str(w.message)]
-    assert warning.filename.endswith(("amp_plugin/lightning/plugin.py", "amp_plugin\\lightning\\plugin.py"))
+    assert warning.filename.endswith(("amp_plugin/lightning/_plugin.py", "amp_plugin\\lightning\\plugin.py"))
 
 
 def test_the_autocast_context_resolves_a_plugin_without_device() -> None:

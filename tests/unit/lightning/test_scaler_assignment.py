@@ -19,7 +19,7 @@ from torch import nn
 
 from amp_plugin import AMPPrecision, LossScaler
 from amp_plugin import fabric as fabric_plugin
-from amp_plugin.lightning.fsdp import AMPFSDPPrecision
+from amp_plugin.lightning._fsdp import AMPFSDPPrecision
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*emulates.*")
 

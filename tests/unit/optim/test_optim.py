@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_plugin.optim import (
+from amp_plugin._optim import (
     gradients_to_unscale,
     handles_unscaling,
     step_with_amp_attributes,

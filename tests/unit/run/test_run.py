@@ -1,6 +1,6 @@
 """One signature for every adapter: the Trainer's and Fabric's ``AMPPrecision`` take the same arguments.
 
-Both hand them to one :class:`amp_plugin.run.AMPRun`, so an option one plugin takes the other takes
+Both hand them to one :class:`amp_plugin._run.AMPRun`, so an option one plugin takes the other takes
 too, checked the same way, with the same meaning.
 """
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from amp_plugin import AMPPrecision, LossScaler
+from amp_plugin._run import DEFAULTS, AMPRun, RunOptions
 from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
-from amp_plugin.run import DEFAULTS, AMPRun, RunOptions
 
 PLUGINS = [AMPPrecision, FabricAMPPrecision]
 

@@ -59,7 +59,7 @@ def _loss_scaler_scales(pattern: str, **kwargs: float) -> list[float]:
 
 
 # some patterns reach the floor
-@pytest.mark.filterwarnings("ignore::amp_plugin.scale_policy.ScaleFloorWarning")
+@pytest.mark.filterwarnings("ignore::amp_plugin._scale_policy.ScaleFloorWarning")
 @pytest.mark.parametrize("seed", range(6))
 def test_loss_scaler_follows_deepspeed_with_consecutive_hysteresis(seed: int) -> None:
     rng = random.Random(seed)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from amp_plugin import LossScaler
-from amp_plugin.diagnostics.host_reads import HostReads
-from amp_plugin.scale_policy import SkipStreakWarning
+from amp_plugin._scale_policy import SkipStreakWarning
+from amp_plugin.diagnostics._host_reads import HostReads
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

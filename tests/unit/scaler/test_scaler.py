@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from amp_plugin import LossScaler
-from amp_plugin.optim import unwrap_optimizer
+from amp_plugin._optim import unwrap_optimizer
 from tests._scaler_twins import same_bits
 
 OptFactory = Callable[[Any], torch.optim.Optimizer]
@@ -339,11 +339,11 @@ def test_update_does_not_sync_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     scaler.update()
 
 
-@pytest.mark.filterwarnings("ignore::amp_plugin.scale_policy.ScaleFloorWarning")  # min_scale reaches it
+@pytest.mark.filterwarnings("ignore::amp_plugin._scale_policy.ScaleFloorWarning")  # min_scale reaches it
 @pytest.mark.parametrize("settings", [{}, {"max_scale": 2.0**10}, {"min_scale": 1.0}])
 def test_the_short_path_of_update_changes_nothing(settings: dict[str, Any]) -> None:
     """Updates known clean on the host skip the floor and skip bookkeeping; the full rule gives the same."""
-    from amp_plugin.scale_policy import DynamicScale
+    from amp_plugin._scale_policy import DynamicScale
 
     rng = random.Random(0)
     flags = [float(rng.random() < 0.3) for _ in range(300)]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from amp_plugin import LossScaler
-from amp_plugin.scale_policy import ScaleFloorWarning
+from amp_plugin._scale_policy import ScaleFloorWarning
 
 FLOOR = 2.0**-126
 

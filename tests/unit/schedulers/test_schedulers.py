@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from amp_plugin import AMPPrecision
-from amp_plugin.schedulers import SkipAwareScheduler
+from amp_plugin._schedulers import SkipAwareScheduler
 
 ORDER_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
 
@@ -263,7 +263,7 @@ def test_on_cuda_the_hold_leaves_the_gpu_running_and_still_holds_a_skipped_step(
     from torch import nn
 
     from amp_plugin import LossScaler
-    from amp_plugin.step import StepDriver
+    from amp_plugin._step import StepDriver
 
     driver = StepDriver(LossScaler("cuda", init_scale=1.0, dynamic=False))  # the guard
     model = nn.Linear(64, 64).cuda()

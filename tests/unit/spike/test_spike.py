@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin import LossScaler
+from amp_plugin._step import StepDriver
 from amp_plugin.spike import SpikeGuard
-from amp_plugin.step import StepDriver
 
 
 def _model(device: str, fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -213,7 +213,7 @@ def test_a_tiny_hugging_face_llama_trains_without_a_spike_skip() -> None:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_the_spike_check_adds_no_host_read(device: str, fused: bool) -> None:
-    from amp_plugin.diagnostics.host_reads import HostReads
+    from amp_plugin.diagnostics._host_reads import HostReads
 
     counts = []
     for spike in (None, SpikeGuard(warmup=2)):
@@ -415,7 +415,7 @@ def test_the_gradient_norm_criterion_reads_no_gradient_again(
 @pytest.mark.parametrize("kind", list(SCALERS))
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_the_gradient_norm_check_adds_no_host_read(device: str, fused: bool, kind: str) -> None:
-    from amp_plugin.diagnostics.host_reads import HostReads
+    from amp_plugin.diagnostics._host_reads import HostReads
 
     counts = []
     for spike in (None, SpikeGuard(warmup=2, on=("loss", "grad_norm"))):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from amp_plugin import LossScaler
-from amp_plugin.step import StepDriver
+from amp_plugin._step import StepDriver
 
 
 def _model_and_opt(fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

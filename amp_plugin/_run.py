@@ -9,7 +9,7 @@ and ``scaler`` (positional, as in Lightning's ``MixedPrecision``) and the keywor
 - resolves the precision (``"auto"`` picks bf16 where the device has it) and builds the fp16 loss
   scaler, or for the other precisions a guard that scales nothing and checks every step;
 - owns the half-precision weights (master weights, ``"-true"`` roundings, fp32 gradient
-  accumulation), the fp32 functions, the fp8 request and the :class:`~amp_plugin.step.StepDriver`;
+  accumulation), the fp32 functions, the fp8 request and the :class:`~amp_plugin._step.StepDriver`;
 - gives the forward passes their context (autocast, the ``"-true"`` default dtype, the fp32
   functions).
 
@@ -33,17 +33,17 @@ from typing_extensions import Unpack
 from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
 from amp_plugin import precision as precisions
+from amp_plugin._distributed import is_rank_zero
+from amp_plugin._half_weights import HalfWeights
+from amp_plugin._scaler import LossScaler
+from amp_plugin._step import StepDriver
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
-from amp_plugin.distributed import is_rank_zero
 from amp_plugin.fp8 import Float8, Float8Report, Recipe, check_fp8_request
-from amp_plugin.half_weights import HalfWeights
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.master_weights import MasterWeights, check_master_weights
 from amp_plugin.precision import Precision, check_precision, default_dtype, true_dtype
 from amp_plugin.rounded_updates import ROUNDINGS
-from amp_plugin.scaler import LossScaler
 from amp_plugin.spike import SpikeGuard, check_spike_guard
-from amp_plugin.step import StepDriver
 
 __all__ = ["AMPRun", "RunOptions", "assigned_scaler", "guard_of"]
 
@@ -406,7 +406,7 @@ def _checked_options(call: str, precision: object, scaler: object, options: dict
                 allowed="precision, device, scaler and the keywords " + ", ".join(DEFAULTS),
                 hint=f"did you mean {close[0]}=...?"
                 if close
-                else "see amp_plugin.run.RunOptions for each keyword.",
+                else "see amp_plugin._run.RunOptions for each keyword.",
                 error=TypeError,
             )
     given = {**DEFAULTS, **options}

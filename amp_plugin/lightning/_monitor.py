@@ -29,20 +29,20 @@ from torch import Tensor
 from typing_extensions import override
 
 from amp_plugin import diagnostics
-from amp_plugin.diagnostics.health import (
+from amp_plugin._scaler import LossScaler
+from amp_plugin._step import read_flags
+from amp_plugin.diagnostics._health import (
     SHOWN_FLAGS,
     HealthVerdict,
     SkipHealth,
     validate_monitor_options,
     validate_policy,
 )
-from amp_plugin.diagnostics.health_plot import plot_history
-from amp_plugin.diagnostics.health_state import HealthState, ScaleRecord, check_monitor_state
+from amp_plugin.diagnostics._health_plot import plot_history
+from amp_plugin.diagnostics._health_state import HealthState, ScaleRecord, check_monitor_state
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning._monitor_values import amp_metrics, publish
-from amp_plugin.lightning.plugin import AMPPrecision
-from amp_plugin.scaler import LossScaler
-from amp_plugin.step import read_flags
+from amp_plugin.lightning._plugin import AMPPrecision
 
 __all__ = ["LossScaleMonitor"]
 

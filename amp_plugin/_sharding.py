@@ -25,8 +25,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from amp_plugin._distributed import _check_group, global_norm
 from amp_plugin._validation import fail
-from amp_plugin.distributed import _check_group, global_norm
 from amp_plugin.kernels import Kernels
 
 __all__ = ["ShardAwareKernels", "has_dtensor", "local_shards", "shard_groups"]
@@ -100,7 +100,7 @@ class ShardAwareKernels:
     ``unscale_`` and ``mul_`` act on each rank's shard (the inf flag is this rank's; the
     scaler all-reduces it before any skip decision). ``norm`` is the norm of the whole
     tensors: each set of tensors sharded over the same groups contributes its local norm
-    reduced over those groups (:func:`~amp_plugin.distributed.global_norm`, one collective
+    reduced over those groups (:func:`~amp_plugin._distributed.global_norm`, one collective
     of one element per group), and the contributions combine as the wrapped backend
     combines its ``(device, dtype)`` groups. Lists without a ``DTensor`` go straight to the
     wrapped backend, so results on plain tensors are bit-identical to it.

@@ -2,7 +2,7 @@
 
 A thin adapter: autocast comes from :mod:`amp_plugin.autocast`, fp32 modules and functions from
 :mod:`amp_plugin.fp32_policy`, scaling and skipping from :class:`~amp_plugin.LossScaler`, clipping
-from :mod:`amp_plugin.clipping`. Its neighbours in :mod:`amp_plugin.lightning` hold the rest:
+from :mod:`amp_plugin._clipping`. Its neighbours in :mod:`amp_plugin.lightning` hold the rest:
 argument and fit-start checks (``checks``), the checkpoint entry (``checkpoint``), the clipping
 hooks' checks, the skip-aware LR scheduler (``schedulers``), and every read of a
 Lightning internal (``_compat``).
@@ -26,14 +26,15 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from amp_plugin import fp32_policy
-from amp_plugin.lightning import _compat, checks
-from amp_plugin.lightning import checkpoint as checkpoints
+from amp_plugin._run import AMPRun, RunOptions
+from amp_plugin._scaler import LossScaler
+from amp_plugin._schedulers import SkipAwareScheduler
+from amp_plugin.lightning import _checkpoint as checkpoints
+from amp_plugin.lightning import _checks as checks
+from amp_plugin.lightning import _compat
+from amp_plugin.lightning._opt_levels import opt_level_arguments
 from amp_plugin.lightning._run_view import RunView
-from amp_plugin.lightning.opt_levels import opt_level_arguments
 from amp_plugin.precision import Precision as PrecisionName
-from amp_plugin.run import AMPRun, RunOptions
-from amp_plugin.scaler import LossScaler
-from amp_plugin.schedulers import SkipAwareScheduler
 
 __all__ = ["AMPPrecision"]
 
@@ -44,7 +45,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
     A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
     ThroughputMonitor and checkpoint code treat it as one), driving a :class:`LossScaler`.
     Fabric's :class:`amp_plugin.fabric.AMPPrecision` takes the same arguments: both hand them to
-    one :class:`~amp_plugin.run.AMPRun`, which checks them and builds the run.
+    one core, which checks them and builds the run.
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling, honoured on CPU too),
@@ -58,7 +59,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         **options: keyword-only: ``kernels``, ``fp32_modules``, ``fp32_functions``, ``clip_fused``,
             ``lr_on_skip``, ``master_weights``, ``keep_fp32``, ``rounding``, ``rounding_seed``,
             ``guard``, ``fp8``, ``fp32_grad_accumulation``, ``spike_guard``; each is described in
-            :class:`~amp_plugin.run.RunOptions`. Under the Trainer, ``clip_fused="auto"`` takes the
+            :class:`~amp_plugin.RunOptions`. Under the Trainer, ``clip_fused="auto"`` takes the
             fast clipping path unless the LightningModule or a callback overrides
             ``on_before_optimizer_step`` or ``configure_gradient_clipping``; ``lr_on_skip`` acts on
             step-interval schedulers (in manual optimization declare them with
@@ -96,7 +97,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
         O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
         master weights, O3 pure fp16 (static loss scale 1.0, as in Apex). See
-        :mod:`amp_plugin.lightning.opt_levels` for the table and the keywords.
+        :mod:`amp_plugin.lightning._opt_levels` for the table and the keywords.
 
         Example:
             >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")

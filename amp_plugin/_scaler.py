@@ -1,8 +1,8 @@
 """``LossScaler``: a drop-in for ``torch.amp.GradScaler`` that cannot silently collapse.
 
 One class, as torch's ``GradScaler`` is: the policy lives here, the scale and its update
-rule in :mod:`amp_plugin.scale_policy`, the arithmetic in :mod:`amp_plugin.kernels`, and the
-clipping math in :mod:`amp_plugin.clipping` (pure functions, handed what they need). Per
+rule in :mod:`amp_plugin._scale_policy`, the arithmetic in :mod:`amp_plugin.kernels`, and the
+clipping math in :mod:`amp_plugin._clipping` (pure functions, handed what they need). Per
 optimizer the scaler runs torch's state machine (READY -> UNSCALED -> STEPPED, reset by
 ``update()``, in :class:`Iteration`) and tracks the factor the gradients in memory still
 carry, so that clipping never acts on scaled values and can be folded into a fused
@@ -24,18 +24,20 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import Tensor
 
-from amp_plugin import _scaler_rules, clipping, distributed
-from amp_plugin._validation import check_bool, check_int, check_number, fail
-from amp_plugin.kernels import Backend, get_kernels
-from amp_plugin.optim import (
+from amp_plugin import _clipping as clipping
+from amp_plugin import _distributed as distributed
+from amp_plugin import _scaler_rules
+from amp_plugin._optim import (
     GRAD_SCALER_KWARG_WARNING,
     gradients_to_unscale,
     step_with_amp_attributes,
     takes_grad_scaler,
     unwrap_optimizer,
 )
-from amp_plugin.scale_policy import DynamicScale
-from amp_plugin.sharding import ShardAwareKernels, has_dtensor, local_shards
+from amp_plugin._scale_policy import DynamicScale
+from amp_plugin._sharding import ShardAwareKernels, has_dtensor, local_shards
+from amp_plugin._validation import check_bool, check_int, check_number, fail
+from amp_plugin.kernels import Backend, get_kernels
 from amp_plugin.spike import SpikeGuard, check_spike_guard
 
 __all__ = ["LossScaler"]
@@ -149,7 +151,7 @@ class LossScaler:
     the scale stays a normal fp32 number. It never lets the scale go below ``min_scale``,
     or below 2**-126 without one (where GradScaler's scale would go on to 0 and turn the
     gradients into NaN); a scale stuck at that floor is reported once with a
-    :class:`~amp_plugin.scale_policy.ScaleFloorWarning`.
+    :class:`~amp_plugin._scale_policy.ScaleFloorWarning`.
 
     Args:
         device: the device type the scale lives on. ``None`` (the default): wherever the
@@ -695,8 +697,8 @@ class LossScaler:
     def warn_on_skips(self) -> bool:
         """Whether the scaler warns by itself (once each) about a floored scale and long runs of skips.
 
-        The warnings are :class:`~amp_plugin.scale_policy.ScaleFloorWarning` and
-        :class:`~amp_plugin.scale_policy.SkipStreakWarning`.
+        The warnings are :class:`~amp_plugin._scale_policy.ScaleFloorWarning` and
+        :class:`~amp_plugin._scale_policy.SkipStreakWarning`.
 
         ``True`` by default; ``LossScaleMonitor`` turns it off while it reports these itself.
         """
@@ -904,7 +906,7 @@ class _ScaledLoss(torch.autograd.Function):
 
 
 def _fused(opt: Any) -> bool:
-    """:func:`~amp_plugin.optim.handles_unscaling` for an optimizer that is unwrapped already."""
+    """:func:`~amp_plugin._optim.handles_unscaling` for an optimizer that is unwrapped already."""
     return bool(getattr(opt, "_step_supports_amp_scaling", False))
 
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._validation import check_bool, check_device_type, fail
-from amp_plugin.diagnostics.audit import Finding, join_names
-from amp_plugin.optim import unwrap_optimizer
+from amp_plugin.diagnostics._audit import Finding, join_names
 
 __all__ = ["check_optimizer_setup"]
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from amp_plugin._sharding import local_shards, shard_groups
 from amp_plugin._validation import check_int, fail
-from amp_plugin.sharding import local_shards, shard_groups
 
 __all__ = ["NonFiniteGradient", "dtype_name", "nonfinite_gradients", "nonfinite_kind"]
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from amp_plugin._scaler import LossScaler
 from amp_plugin._validation import check_bool, fail, is_number
 from amp_plugin.master_weights import NORM_LAYERS, check_master_weights
-from amp_plugin.scaler import LossScaler
 
 __all__ = ["APEX_OPTIONS", "OPT_LEVELS", "opt_level_arguments"]
 

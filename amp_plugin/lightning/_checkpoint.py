@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from amp_plugin.scaler import LossScaler
+from amp_plugin._scaler import LossScaler
 
 if TYPE_CHECKING:
-    from amp_plugin.half_weights import HalfWeights
+    from amp_plugin._half_weights import HalfWeights
 
 __all__ = [
     "CHECKPOINT_KEY",

@@ -16,9 +16,9 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 
 from amp_plugin import autocast, diagnostics, master_weights
+from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._validation import fail
-from amp_plugin.diagnostics.audit import join_names
-from amp_plugin.optim import unwrap_optimizer
+from amp_plugin.diagnostics._audit import join_names
 
 __all__ = [
     "LBFGS_HALF_WEIGHTS",

@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from amp_plugin.kernels.base import group_by_device_and_dtype, to_device
+from amp_plugin.kernels._base import group_by_device_and_dtype, to_device
 
 __all__ = ["TorchKernels"]
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from amp_plugin._validation import fail
-from amp_plugin.diagnostics.health import SkipHealth
-from amp_plugin.diagnostics.health_state import ScaleRecord
+from amp_plugin.diagnostics._health import SkipHealth
+from amp_plugin.diagnostics._health_state import ScaleRecord
 
 __all__ = ["plot_history"]
 
@@ -45,10 +45,10 @@ def plot_history(
         for e in events
     ):
         fail(
-            "plot_history",
-            passed=f"events={events!r:.80}",
+            "LossScaleMonitor",
+            passed=f"plot_events={events!r:.80}",
             allowed="a sequence of (step: int, label: str) pairs",
-            hint="pass e.g. [(300, 'corrupted batch')].",
+            hint="append pairs such as (300, 'corrupted batch') to monitor.plot_events.",
             error=TypeError,
         )
     from matplotlib.figure import Figure  # optional: LossScaleMonitor checks for it when constructed

@@ -32,11 +32,11 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from amp_plugin import clipping
+from amp_plugin import _clipping as clipping
+from amp_plugin._optim import unwrap_optimizer
+from amp_plugin._scaler import LossScaler
+from amp_plugin._sharding import ShardAwareKernels
 from amp_plugin.kernels import Backend, get_kernels
-from amp_plugin.optim import unwrap_optimizer
-from amp_plugin.scaler import LossScaler
-from amp_plugin.sharding import ShardAwareKernels
 
 __all__ = ["StepDriver", "read_flags", "stacked_flags"]
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from amp_plugin._validation import fail
-from amp_plugin.diagnostics.nonfinite import dtype_name, nonfinite_kind
+from amp_plugin.diagnostics._nonfinite import dtype_name, nonfinite_kind
 from amp_plugin.numerics import FP16_MAX
 
 __all__ = ["NonFiniteRecord", "NonFiniteTracer"]

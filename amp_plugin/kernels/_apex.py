@@ -2,7 +2,7 @@
 
 ``amp_C`` is imported when :class:`ApexKernels` is constructed (see :func:`~amp_plugin.kernels.get_kernels`),
 never when this module is imported. The semantics are those of
-:mod:`amp_plugin.kernels.base`; what follows is where this backend runs ``amp_C`` and why.
+:mod:`amp_plugin.kernels._base`; what follows is where this backend runs ``amp_C`` and why.
 
 **The host-sync question.** ``amp_C``'s kernel that multiplies (``multi_tensor_scale``) takes
 the factor as a C ``float``: a Python number, read on the host
@@ -15,7 +15,7 @@ forbids that, so the factor's location decides:
   its value is a memory read, not a sync, and ``unscale_`` and ``mul_`` launch ``amp_C``;
 - factor on a device: they run the torch backend, which reads the factor on the device. For fp32
   and fp16 that costs nothing: torch's multi-tensor op makes the same single read+write pass. For
-  bf16 on CUDA it is the torch backend's bf16 route (:mod:`amp_plugin.kernels.foreach`: a max-abs
+  bf16 on CUDA it is the torch backend's bf16 route (:mod:`amp_plugin.kernels._foreach`: a max-abs
   read for the flag, then one kernel per tensor), because ``amp_C`` cannot take a device factor.
 
 ``norm`` (``norm_type=2``) takes no factor and always runs ``multi_tensor_l2norm``. So with a
@@ -51,8 +51,8 @@ import torch
 from torch import Tensor
 
 from amp_plugin import _imports
-from amp_plugin.kernels.base import group_by_device_and_dtype, to_device
-from amp_plugin.kernels.foreach import TorchKernels
+from amp_plugin.kernels._base import group_by_device_and_dtype, to_device
+from amp_plugin.kernels._foreach import TorchKernels
 
 __all__ = ["ApexKernels"]
 

@@ -1,8 +1,8 @@
 """Run health from the loss scaler's skip history: warm-up, sporadic or pathological.
 
 Plain Python (no Lightning): :class:`SkipHealth` classifies a stream of skip flags;
-:mod:`~amp_plugin.diagnostics.health_state` checks what it and the monitor save, and
-:func:`~amp_plugin.diagnostics.health_plot.plot_history` draws the scale and the skips.
+:mod:`~amp_plugin.diagnostics._health_state` checks what it and the monitor save, and
+:func:`~amp_plugin.diagnostics._health_plot.plot_history` draws the scale and the skips.
 :class:`~amp_plugin.LossScaleMonitor` feeds them from a Trainer.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from amp_plugin import _imports
+from amp_plugin._scale_policy import STREAK_WARNING_AT
 from amp_plugin._validation import check_bool, check_choice, check_int, check_number, fail
-from amp_plugin.diagnostics.health_state import HealthState, check_health_state, number_or_none
-from amp_plugin.scale_policy import STREAK_WARNING_AT
+from amp_plugin.diagnostics._health_state import HealthState, check_health_state, number_or_none
 
 __all__ = [
     "HealthVerdict",

@@ -7,7 +7,7 @@ inside their kernel), so the inf flag itself is all-reduced (MAX) before any ski
 
 When every rank holds only its shard of the gradients, the clip norm of the whole model
 is reduced from the local norms (:func:`global_norm`); ``ShardAwareKernels(..., sharded=True)``
-in :mod:`amp_plugin.sharding` plugs that into the clipping code. The proof that the ranks agree
+in :mod:`amp_plugin._sharding` plugs that into the clipping code. The proof that the ranks agree
 (``check_consistency``, ``ConsistencyCheck``) is :mod:`amp_plugin.consistency`, which builds on this module.
 """
 

@@ -24,15 +24,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin._optim import handles_unscaling
+from amp_plugin._run import assigned_scaler, guard_of
+from amp_plugin._scaler import LossScaler
+from amp_plugin._step import StepDriver
 from amp_plugin._validation import check_bool, fail
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat
-from amp_plugin.lightning.checkpoint import grad_scaler_state
-from amp_plugin.optim import handles_unscaling
-from amp_plugin.run import assigned_scaler, guard_of
-from amp_plugin.scaler import LossScaler
+from amp_plugin.lightning._checkpoint import grad_scaler_state
 from amp_plugin.spike import SpikeGuard, check_spike_guard
-from amp_plugin.step import StepDriver
 
 __all__ = ["AMPFSDPPrecision"]
 
@@ -46,7 +46,7 @@ class AMPFSDPPrecision(FSDPPrecision):
         precision: as for ``FSDPPrecision``; only ``"16-mixed"`` uses a scaler.
         scaler: the scaler for ``"16-mixed"`` (default: ``LossScaler("cuda")``, whose
             ``sync_found_inf="auto"`` agrees across all ranks). Must be ``None`` otherwise.
-        guard: keyword-only, as for ``AMPPrecision`` (:class:`~amp_plugin.run.RunOptions`):
+        guard: keyword-only, as for ``AMPPrecision`` (:class:`~amp_plugin._run.RunOptions`):
             check and skip every step in every precision.
         kernels: keyword-only: the kernel backend of the default scaler and the guard.
         spike_guard: keyword-only: a :class:`~amp_plugin.spike.SpikeGuard` that also skips

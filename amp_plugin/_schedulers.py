@@ -2,7 +2,7 @@
 
 The Trainer's ``AMPPrecision`` wraps every step-interval scheduler in one at fit start; Fabric's
 ``AMPPrecision`` wraps the one handed to its ``skip_aware``. The wrapper asks the plugin's step
-driver (:class:`~amp_plugin.step.StepDriver`) whether the step it follows was skipped. Plain torch:
+driver (:class:`~amp_plugin._step.StepDriver`) whether the step it follows was skipped. Plain torch:
 nothing here imports Lightning.
 """
 
@@ -25,7 +25,7 @@ _SCHEDULER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimiz
 
 
 class _StepSkips(Protocol):
-    """What the wrapper reads of the steps (a :class:`~amp_plugin.step.StepDriver` is one)."""
+    """What the wrapper reads of the steps (a :class:`~amp_plugin._step.StepDriver` is one)."""
 
     @property
     def last_step_skipped(self) -> bool: ...
@@ -85,7 +85,7 @@ class SkipAwareScheduler:
         scheduler: the LR scheduler to wrap.
         steps: says whether a step was skipped (``known_skip(optimizer)`` where that needs no
             host read, else ``step_skipped(optimizer)``; ``last_step_skipped`` for a scheduler
-            without ``.optimizer``): the plugin's :class:`~amp_plugin.step.StepDriver`.
+            without ``.optimizer``): the plugin's :class:`~amp_plugin._step.StepDriver`.
         lr_on_skip: ``"hold"`` keeps the scheduler still after a skipped step; ``"advance"`` steps it.
 
     Example:
@@ -111,7 +111,7 @@ class SkipAwareScheduler:
     def __init__(self, scheduler: Any, steps: _StepSkips, lr_on_skip: str = "hold") -> None:
         if lr_on_skip not in ("hold", "advance"):
             fail(
-                "SkipAwareScheduler",
+                "AMPPrecision.skip_aware",
                 passed=f"lr_on_skip={lr_on_skip!r}",
                 why="there is no such mode",
                 allowed="'hold' or 'advance'",
@@ -120,7 +120,7 @@ class SkipAwareScheduler:
         if isinstance(scheduler, torch.optim.Optimizer) or not callable(getattr(scheduler, "step", None)):
             kind = "an optimizer" if isinstance(scheduler, torch.optim.Optimizer) else "no step()"
             fail(
-                "SkipAwareScheduler",
+                "AMPPrecision.skip_aware",
                 passed=f"scheduler={type(scheduler).__name__ if scheduler is not None else None} ({kind})",
                 allowed="an LR scheduler (anything with step(), torch.optim.lr_scheduler's or your own)",
                 hint="pass the LR scheduler built on the optimizer, e.g. skip_aware(StepLR(optimizer, 10)).",

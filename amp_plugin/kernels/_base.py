@@ -17,7 +17,7 @@ way this contract says, ``tests/unit/kernels/_reference.py``):
     ``found_inf`` is never reset: the caller zeroes it. Bit-identical to
     ``torch._amp_foreach_non_finite_check_and_unscale_`` where torch has that op for the dtype.
     On CUDA it has no bf16 kernel (pytorch issue 127176): the torch backend gives bf16 the same
-    bits there by another route (:mod:`amp_plugin.kernels.foreach`).
+    bits there by another route (:mod:`amp_plugin.kernels._foreach`).
 
 ``norm(tensors, norm_type, exact=False)``
     The total ``norm_type``-norm of all tensors together, accumulated and returned in
@@ -38,7 +38,7 @@ way this contract says, ``tests/unit/kernels/_reference.py``):
     inverse, are exact in both dtypes (fp16 down to 2**-24), so for them both give the same bits.
 
 One difference between backends remains: where Apex's ``amp_C`` multiplies (a factor on the host,
-:mod:`amp_plugin.kernels.apex`), it is built with ``--use_fast_math``, so fp32 subnormal operands
+:mod:`amp_plugin.kernels._apex`), it is built with ``--use_fast_math``, so fp32 subnormal operands
 and products (below 2**-126, every bf16 subnormal among them) become zero.
 """
 

@@ -1,6 +1,6 @@
 """The model audit: fp16 hazards found without running the model, as :class:`Finding` objects.
 
-:mod:`amp_plugin.diagnostics.optimizer_check` reports its findings the same way. Plain torch.
+:mod:`amp_plugin.diagnostics._optimizer_check` reports its findings the same way. Plain torch.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_plugin._optim import unwrap_optimizer
 from amp_plugin.grad_accumulation import Fp32GradAccumulation
 from amp_plugin.master_weights import NORM_LAYERS, MasterMode, MasterWeights, cast_model
-from amp_plugin.optim import unwrap_optimizer
 from amp_plugin.rounded_updates import RoundedUpdates, Rounding
 
 __all__ = ["HalfWeights"]

@@ -240,7 +240,7 @@ def check_monitor_state(state: object) -> tuple[dict[str, Any], list[ScaleRecord
         ValueError: ``"health"`` or ``"records"`` is missing or malformed.
 
     Example:
-        >>> from amp_plugin.diagnostics.health import SkipHealth
+        >>> from amp_plugin.diagnostics._health import SkipHealth
         >>> health, records = check_monitor_state({"health": SkipHealth().state_dict(), "records": []})
         >>> health["steps"], records
         (0, [])
