@@ -25,14 +25,17 @@ from amp_plugin._validation import check_choice, fail
 
 __all__ = [
     "SyncMode",
+    "all_gather_into",
     "all_reduce_found_inf",
     "all_reduce_max_",
+    "check_group",
     "check_process_group",
     "check_sync_mode",
     "checked_sync_enabled",
     "global_norm",
     "is_rank_zero",
     "sync_enabled",
+    "world_size",
 ]
 
 SyncMode = Literal["auto"] | bool
@@ -61,10 +64,10 @@ def check_process_group(group: object, call: str) -> Any:
         >>> check_process_group(None, "LossScaler") is None
         True
     """
-    return _check_group(group, call, "process_group")
+    return check_group(group, call, "process_group")
 
 
-def _check_group(group: object, call: str, name: str = "group") -> Any:
+def check_group(group: object, call: str, name: str = "group") -> Any:
     process_group = getattr(dist, "ProcessGroup", None)  # absent from torch builds without distributed
     if group is not None and (process_group is None or not isinstance(group, process_group)):
         shown = repr(group) if isinstance(group, (str, int, float, list, tuple)) else type(group).__name__
@@ -109,7 +112,7 @@ def sync_enabled(mode: SyncMode, group: Any = None) -> bool:
         False
     """
     check_choice("sync_enabled", "mode", mode, ("auto", True, False), "pass LossScaler's sync_found_inf.")
-    _check_group(group, "sync_enabled")
+    check_group(group, "sync_enabled")
     return checked_sync_enabled(mode, group)
 
 
@@ -127,7 +130,7 @@ def checked_sync_enabled(mode: SyncMode, group: Any = None) -> bool:
             "sync_found_inf=True but torch.distributed is not initialised. HINT: call "
             "torch.distributed.init_process_group() first, or use sync_found_inf='auto'."
         )
-    return _world_size(group) > 1
+    return world_size(group) > 1
 
 
 def all_reduce_found_inf(found_inf: Tensor, group: Any = None) -> Tensor:
@@ -142,8 +145,8 @@ def all_reduce_found_inf(found_inf: Tensor, group: Any = None) -> Tensor:
         tensor(1.)
     """
     _check_flag("all_reduce_found_inf", "found_inf", found_inf)
-    _check_group(group, "all_reduce_found_inf")
-    if _world_size(group) == 1:
+    check_group(group, "all_reduce_found_inf")
+    if world_size(group) == 1:
         return found_inf
     _all_reduce_(found_inf, dist.ReduceOp.MAX, group)
     return found_inf
@@ -167,8 +170,8 @@ def all_reduce_max_(values: Tensor, group: Any = None) -> Tensor:
             hint="pass the tensor of values to agree on.",
             error=TypeError,
         )
-    _check_group(group, "all_reduce_max_")
-    if _world_size(group) > 1:
+    check_group(group, "all_reduce_max_")
+    if world_size(group) > 1:
         _all_reduce_(values, dist.ReduceOp.MAX, group)
     return values
 
@@ -207,8 +210,8 @@ def global_norm(local_norm: Tensor, norm_type: float = 2.0, group: Any = None) -
             hint="pass the norm_type given to clip_grad_norm_, e.g. 2.0.",
             error=ValueError if isinstance(norm_type, float) else TypeError,
         )
-    _check_group(group, "global_norm")
-    if _world_size(group) == 1:
+    check_group(group, "global_norm")
+    if world_size(group) == 1:
         return local_norm.detach().float().clone()
     p = float(norm_type)
     reduced = local_norm.detach().to(torch.float64)
@@ -243,7 +246,7 @@ def _initialised() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _world_size(group: Any) -> int:
+def world_size(group: Any) -> int:
     """Processes in ``group``; 1 without an initialised process group (this process holds everything)."""
     return dist.get_world_size(group) if _initialised() else 1
 
@@ -266,7 +269,7 @@ def _all_reduce_(tensor: Tensor, op: Any, group: Any) -> None:
         tensor.copy_(staged)
 
 
-def _all_gather(out: list[Tensor], tensor: Tensor, group: Any) -> None:
+def all_gather_into(out: list[Tensor], tensor: Tensor, group: Any) -> None:
     device = _backend_device(tensor, group)
     staged = [t.to(device) for t in out]
     dist.all_gather(staged, tensor.to(device), group=group)

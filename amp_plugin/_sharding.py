@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from amp_plugin._distributed import _check_group, global_norm
+from amp_plugin._distributed import check_group, global_norm
 from amp_plugin._validation import fail
 from amp_plugin.kernels import Kernels
 
@@ -129,7 +129,7 @@ class ShardAwareKernels:
         self.inner = kernels
         self.name = kernels.name
         self.sharded = sharded
-        self.group = _check_group(group, "ShardAwareKernels")
+        self.group = check_group(group, "ShardAwareKernels")
 
     def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
         self.inner.unscale_(local_shards(tensors), inv_scale, found_inf)

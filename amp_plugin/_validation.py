@@ -27,6 +27,7 @@ __all__ = [
     "check_int",
     "check_number",
     "check_tensor_scalar",
+    "device_hint",
     "fail",
     "is_number",
 ]
@@ -224,11 +225,11 @@ def check_device_type(call: str, name: str, value: object) -> str:
         why = "" if available else f"autocast is not available for device type {device_type!r}"
     if why:
         allowed = f"a device type with autocast: {types}"
-        fail(call, passed=got, why=why, allowed=allowed, hint=_device_hint(value))
+        fail(call, passed=got, why=why, allowed=allowed, hint=device_hint(value))
     return device_type
 
 
-def _device_hint(value: object) -> str:
+def device_hint(value: object) -> str:
     text, types = str(value), autocast_device_types()
     if text.lower() in _DEVICE_HINTS:
         return _DEVICE_HINTS[text.lower()] + "."

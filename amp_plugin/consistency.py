@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from amp_plugin._distributed import _all_gather, _check_group, _world_size
+from amp_plugin._distributed import all_gather_into, check_group, world_size
 from amp_plugin._validation import check_int, fail
 
 if TYPE_CHECKING:
@@ -76,13 +76,13 @@ def check_consistency(
         >>> check_consistency(LossScaler(), model)  # one process: nothing to compare
     """
     state, params = _validated_check_args(scaler, parameters)
-    _check_group(group, "check_consistency")
-    world = _world_size(group)
+    check_group(group, "check_consistency")
+    world = world_size(group)
     if world == 1:
         return
     local = _local_summary(state, params)
     gathered = [torch.empty_like(local) for _ in range(world)]
-    _all_gather(gathered, local, group)
+    all_gather_into(gathered, local, group)
     table = torch.stack([t.cpu() for t in gathered])  # [world, fields]
     bits = table.view(torch.int64)  # bit-exact comparison; equal NaNs compare equal
     ranks = [i if group is None else dist.get_global_rank(group, i) for i in range(table.shape[0])]
@@ -125,7 +125,7 @@ class ConsistencyCheck:
     def __init__(self, every_n_steps: int, *, group: Any = None) -> None:
         hint = "the check costs one all-gather and a read of the parameters; 100-1000 is usual."
         self.every_n_steps = check_int("ConsistencyCheck", "every_n_steps", every_n_steps, low=1, hint=hint)
-        self.group = _check_group(group, "ConsistencyCheck")
+        self.group = check_group(group, "ConsistencyCheck")
 
     def __call__(
         self, step: int, scaler: LossScaler | None, parameters: nn.Module | Iterable[Tensor] | None = None

@@ -455,3 +455,34 @@ def test_a_private_call_across_modules_is_found(tmp_path: Path) -> None:
     (package / "a.py").write_text("class A:\n    def _inner(self):\n        return self._inner2()\n")
     (package / "b.py").write_text("def run(a):\n    return a._inner()\n")
     assert private_calls_across_modules(tmp_path) == ["amp_plugin.b calls a._inner() of amp_plugin.a"]
+
+
+def private_imports_across_modules(root: Path = ROOT) -> list[str]:
+    """``from amp_plugin.x import _name`` where ``_name`` is a private name, not a private module.
+
+    A private module's helpers that other modules use are named without ``_`` (the module itself
+    is private); an underscore name stays inside its module.
+    """
+    modules = package_modules(root)
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("amp_plugin"):
+                continue
+            for alias in node.names:
+                if _private(alias.name) and f"{node.module}.{alias.name}" not in modules:
+                    found.append(f"{name} imports {alias.name} from {node.module}")
+    return sorted(found)
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    assert private_imports_across_modules() == []
+
+
+def test_a_private_import_across_modules_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "amp_plugin"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_a.py").write_text("def _helper():\n    return 1\n")
+    (package / "b.py").write_text("from amp_plugin import _a\nfrom amp_plugin._a import _helper\n")
+    assert private_imports_across_modules(tmp_path) == ["amp_plugin.b imports _helper from amp_plugin._a"]

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from amp_plugin import _imports
-from amp_plugin._validation import _device_hint, fail
+from amp_plugin._validation import device_hint, fail
 from amp_plugin.kernels._apex import ApexKernels
 from amp_plugin.kernels._base import Kernels
 from amp_plugin.kernels._foreach import TorchKernels
@@ -107,7 +107,7 @@ def _device_type(device: object) -> str | None:
             passed=got,
             why="torch knows no such device type",
             allowed=allowed,
-            hint=_device_hint(device),
+            hint=device_hint(device),
         )
 
 
