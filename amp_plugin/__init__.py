@@ -49,3 +49,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'amp_plugin' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names and the lazy ones, so that ``dir()`` and tab completion show every public name."""
+    return sorted(set(globals()) | set(__all__))

@@ -70,3 +70,12 @@ def test_each_public_object_has_one_public_path() -> None:
 def test_the_surface_is_small() -> None:
     total = sum(len(importlib.import_module(m).__all__) for m in PUBLIC_MODULES)
     assert total <= 55, f"{total} public names: each new one needs a guide that teaches it"
+
+
+def test_dir_shows_the_lazy_names_without_importing_lightning() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, amp_plugin; print('AMPPrecision' in dir(amp_plugin), 'lightning' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True", "False"]
