@@ -582,7 +582,11 @@ class LossScaler:
         return norm if carried is None else norm / carried.to(norm)
 
     def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
-        """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
+        """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``.
+
+        Gradients unscaled earlier are checked again first (one read): the clamp would turn an inf
+        that a hook or penalty wrote since ``unscale_`` into ``clip_value`` and hide it.
+        """
         clip_value = check_number(
             "LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0, hint="e.g. clip_value=0.5."
         )
@@ -595,6 +599,8 @@ class LossScaler:
             elif state.grad_scale is not None:  # a folded norm clip: materialise it first
                 self._backend().mul_(grads, state.grad_scale.reciprocal())
                 state.grad_scale = None
+            else:
+                self.recheck_(opt)
         torch.nn.utils.clip_grad_value_(
             [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip_value
         )

@@ -112,7 +112,8 @@ class StepDriver:
         Args:
             optimizer: the optimizer (a wrapper is unwrapped once, here).
             run_hooks: runs what may look at or change the gradients before the step (hooks,
-                clipping); returns whether it clipped by norm (that computed a fresh inf check).
+                clipping); returns whether a clip checked the gradients after the hooks (a norm
+                clip's norm, or a value clip's check before its clamp).
             observe_unscaled: unscale before ``run_hooks``, so that they see unscaled gradients,
                 and check again after them; ``False`` is the fast clipping path.
             update: update the scale now (automatic optimization); ``False`` waits for
@@ -132,8 +133,8 @@ class StepDriver:
         observe_unscaled = observe_unscaled and not scaler.is_guard
         if observe_unscaled and stage == "ready":
             scaler.unscale_(opt)  # the hooks below see unscaled gradients
-        norm_clipped = run_hooks()
-        if observe_unscaled and not norm_clipped:
+        checked = run_hooks()
+        if observe_unscaled and not checked:
             scaler.recheck_(opt)  # a hook may have written inf/NaN after unscale_
         result = scaler.step(optimizer, **kwargs)
         flag = scaler.step_skipped(opt)

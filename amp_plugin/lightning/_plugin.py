@@ -85,7 +85,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
         self._fp32_hooks: fp32_policy.Fp32Modules | None = None
         self._fast_clip = self._run.clip_fused is True
-        self._want_grad_norm = self._norm_clipped = self._no_clip = False
+        self._want_grad_norm = self._clip_checked = self._no_clip = False
 
     def __repr__(self) -> str:
         # Lightning names a plugin it refuses ("Received both `precision=...` and `plugins=...`") by str().
@@ -286,10 +286,10 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         )
 
     def _run_hooks(self, model: LightningModule, optimizer: Any) -> bool:
-        """``on_before_optimizer_step`` and clipping; whether a norm clip ran (it checked the gradients)."""
-        self._norm_clipped = False
+        """``on_before_optimizer_step`` and clipping; whether a clip checked the gradients after the hooks."""
+        self._clip_checked = False
         self._observe_gradients(model, optimizer)
-        return self._norm_clipped
+        return self._clip_checked
 
     def _observe_gradients(self, model: LightningModule, optimizer: Any) -> None:
         """Between backward and step: the ``on_before_optimizer_step`` hooks, then clipping, then the norm."""
@@ -364,7 +364,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self._norm_clipped = True
+        self._clip_checked = True
         self.last_grad_norm = self._run.require_driver().clip_grad_norm_(optimizer, float(clip_val))
 
     @override
@@ -372,6 +372,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
             self.last_grad_norm = self._run.require_driver().grad_norm(optimizer)
         self._run.require_driver().clip_grad_value_(optimizer, float(clip_val))
+        self._clip_checked = True  # the clip checked the gradients before clamping them
 
 
 _NO_FP32_ACCUMULATION = (

@@ -117,6 +117,20 @@ def test_nan_written_by_a_hook_after_unscaling_is_skipped(clip: dict[str, Any], 
     assert plugin.scaler.skipped_steps == 1 and plugin.scaler.get_scale() == 2.0**7
 
 
+class _InfHook(_Auto):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.trainer.fit_loop.batch_idx == 1:
+            self.net[0].weight.grad[0, 0] = float("inf")
+
+
+def test_an_inf_written_by_a_hook_is_found_before_value_clipping_clamps_it() -> None:
+    """The clamp would turn the inf into clip_value and hide it: the check runs before it."""
+    module, plugin = _InfHook(), _plugin()
+    _fit(module, plugin, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    assert plugin.scaler is not None
+    assert plugin.scaler.skipped_steps == 1 and plugin.scaler.get_scale() == 2.0**7
+
+
 @pytest.mark.parametrize(
     ("module", "clip", "rechecks"),
     [

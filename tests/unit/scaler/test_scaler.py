@@ -375,3 +375,23 @@ def test_a_scaled_loss_backpropagates_in_torch_alone_and_poisons_a_non_finite_lo
     w.grad = None
     ours.scale((w * 3.0).sum() + torch.tensor(float("inf"))).backward()
     assert w.grad is not None and w.grad.isnan().all()
+
+
+@pytest.mark.parametrize("ours", [True, False], ids=["LossScaler", "GradScaler"])
+def test_clip_grad_value_finds_an_inf_written_after_unscale_before_clamping(ours: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler: Any = LossScaler("cpu", init_scale=4.0) if ours else torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)
+    model.weight.grad[0, 0] = float("inf")  # a hook or penalty, after unscale_
+    if ours:
+        scaler.clip_grad_value_(opt, 0.5)  # would clamp the inf to 0.5
+    else:
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.5)  # torch's recipe
+    before = model.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    # ours skips the step; torch's steps with the inf clamped to 0.5
+    assert torch.equal(model.weight, before) is ours
