@@ -406,7 +406,7 @@ def _checked_options(call: str, precision: object, scaler: object, options: dict
                 allowed="precision, device, scaler and the keywords " + ", ".join(DEFAULTS),
                 hint=f"did you mean {close[0]}=...?"
                 if close
-                else "see amp_plugin._run.RunOptions for each keyword.",
+                else "see amp_plugin.RunOptions for each keyword.",
                 error=TypeError,
             )
     given = {**DEFAULTS, **options}

@@ -1,7 +1,7 @@
 """Command line: ``python -m amp_plugin doctor [--model pkg.module:factory] [--json] [--no-measure] [--ops]``.
 
 ``doctor --fp8 [RECIPE] [--model pkg.module:factory]`` reports fp8 instead (see
-:mod:`amp_plugin.diagnostics._fp8_report`).
+:func:`amp_plugin.diagnostics.fp8_report`).
 
 Also installed as the ``amp-plugin`` console script; ``--version`` prints the version. Exit
 status: 0 when all is well, 1 when the model audit has errors, 2 for a usage error (bad

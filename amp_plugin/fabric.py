@@ -5,12 +5,12 @@ The same name as the Trainer's plugin (``amp_plugin.AMPPrecision``), as Lightnin
 amp_plugin`` does not).
 
 A Fabric ``MixedPrecision`` driving a :class:`~amp_plugin.LossScaler` instead of a
-``torch.amp.GradScaler``, through the same :class:`~amp_plugin._step.StepDriver` as the Trainer's
+``torch.amp.GradScaler``, through the same step driver as the Trainer's
 plugin: steps with an inf/NaN loss or gradient are skipped in every precision (on every DDP rank
 alike, since the scaler or guard agrees on its inf flag across the default process group), and
 ``fabric.clip_gradients`` clips the unscaled gradients, of fused optimizers too. The Trainer
 plugin's half-precision weights come along: fp32 master weights (Apex's O2), the "-true"
-precisions with stochastic or Kahan rounding (:class:`~amp_plugin._half_weights.HalfWeights`), a
+precisions with stochastic or Kahan rounding, a
 scheduler that holds on a skipped step (:meth:`AMPPrecision.skip_aware`), and the ``amp/*``
 values for ``fabric.log_dict`` (:meth:`AMPPrecision.metrics`).
 """
@@ -123,7 +123,8 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
         O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
         master weights, O3 pure fp16 (static loss scale 1.0, as in Apex); ``overrides`` take Apex's
-        or this class's keywords (see :mod:`amp_plugin.lightning._opt_levels`).
+        or this class's keywords (Apex's: ``cast_model_type``, ``keep_batchnorm_fp32``,
+        ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``).
 
         Example:
             >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")

@@ -46,7 +46,7 @@ class AMPFSDPPrecision(FSDPPrecision):
         precision: as for ``FSDPPrecision``; only ``"16-mixed"`` uses a scaler.
         scaler: the scaler for ``"16-mixed"`` (default: ``LossScaler("cuda")``, whose
             ``sync_found_inf="auto"`` agrees across all ranks). Must be ``None`` otherwise.
-        guard: keyword-only, as for ``AMPPrecision`` (:class:`~amp_plugin._run.RunOptions`):
+        guard: keyword-only, as for ``AMPPrecision`` (:class:`~amp_plugin.RunOptions`):
             check and skip every step in every precision.
         kernels: keyword-only: the kernel backend of the default scaler and the guard.
         spike_guard: keyword-only: a :class:`~amp_plugin.spike.SpikeGuard` that also skips

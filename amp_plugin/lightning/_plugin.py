@@ -96,8 +96,9 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         """The plugin for Apex opt level ``level``; ``overrides`` take Apex's or this class's keywords.
 
         O0 is fp32, O1 autocast with dynamic loss scaling, O2 an fp16 model with fp32 norms and
-        master weights, O3 pure fp16 (static loss scale 1.0, as in Apex). See
-        :mod:`amp_plugin.lightning._opt_levels` for the table and the keywords.
+        master weights, O3 pure fp16 (static loss scale 1.0, as in Apex). Apex's keywords:
+        ``cast_model_type``, ``keep_batchnorm_fp32``, ``loss_scale``, ``min_loss_scale``,
+        ``max_loss_scale``.
 
         Example:
             >>> plugin = AMPPrecision.from_opt_level("O2", device="cpu")
