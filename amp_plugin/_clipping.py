@@ -137,6 +137,62 @@ def nonfinite_and_norm(
     return found_inf, total_norm
 
 
+def clamp_(grads: Sequence[Tensor], clip_value: float) -> None:
+    """Clamp every element of ``grads`` to ``[-clip_value, clip_value]`` in place (NaN stays NaN).
+
+    The arithmetic of ``torch.nn.utils.clip_grad_value_`` (a ``clamp_min_`` and a ``clamp_max_``),
+    on the gradient tensors themselves (local shards, for sharded ones): two multi-tensor launches
+    per device and dtype, without collecting the gradients from the parameters again.
+
+    Example:
+        >>> grads = [torch.tensor([-3.0, 0.5, float("nan")])]
+        >>> clamp_(grads, 1.0)
+        >>> grads[0].tolist()
+        [-1.0, 0.5, nan]
+    """
+    if not grads:
+        return
+    # The CPU runs multi-tensor ops one tensor at a time, whatever their dtypes: no grouping to pay for.
+    groups = [list(grads)] if grads[0].device.type == "cpu" else group_by_device_and_dtype(grads).values()
+    with torch.no_grad():
+        for group in groups:
+            torch._foreach_clamp_min_(group, -clip_value)
+            torch._foreach_clamp_max_(group, clip_value)
+
+
+_REWRITE_MAX_ELEMENTS = 1 << 23
+
+
+def nonfinite_by_rewrite(grads: Sequence[Tensor], one: Tensor, found_inf: Tensor) -> bool:
+    """Set ``found_inf`` where ``grads`` hold an inf/NaN by torch's AMP check, which multiplies them by 1.
+
+    Only for CPU gradients of at most 8M elements in all, which a caller has written already (an
+    unscale): there the one launch of torch's AMP check costs less than :func:`nonfinite`'s
+    per-tensor norms, which the CPU computes one tensor at a time, while above that size its write
+    costs more than the norms' read. Multiplying by ``one`` (an fp32 ``1.0``) leaves every value as
+    it was, ``-0.0``, subnormals and NaN included. Returns whether it ran (``False``: elsewhere, or
+    larger, with nothing done).
+
+    Example:
+        >>> grads, found_inf = [torch.tensor([-0.0, 2.0]), torch.tensor([float("nan")])], torch.zeros(())
+        >>> nonfinite_by_rewrite(grads, torch.ones(()), found_inf), found_inf.item(), grads[0].tolist()
+        (True, 1.0, [-0.0, 2.0])
+    """
+    if not (one.is_cpu and found_inf.is_cpu):
+        return False
+    elements = 0
+    for grad in grads:
+        if not grad.is_cpu:
+            return False
+        elements += grad.numel()
+    if elements > _REWRITE_MAX_ELEMENTS:
+        return False
+    if elements:
+        with torch.no_grad():
+            torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, one)
+    return True
+
+
 def _flag(norm: Tensor) -> Tensor:
     """``1.0`` where a norm (>= 0, or inf/NaN) is inf/NaN, else ``0.0``: two launches (``0 * norm`` is
     NaN exactly for inf/NaN), where ``~isfinite`` takes five."""

@@ -125,12 +125,13 @@ def checked_sync_enabled(mode: SyncMode, group: Any = None) -> bool:
     """
     if mode is False:
         return False
-    if mode is True and not _initialised():
+    initialised = _initialised()
+    if mode is True and not initialised:
         raise RuntimeError(
             "sync_found_inf=True but torch.distributed is not initialised. HINT: call "
             "torch.distributed.init_process_group() first, or use sync_found_inf='auto'."
         )
-    return world_size(group) > 1
+    return initialised and dist.get_world_size(group) > 1
 
 
 def all_reduce_found_inf(found_inf: Tensor, group: Any = None) -> Tensor:

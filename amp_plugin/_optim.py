@@ -47,6 +47,8 @@ def unwrap_optimizer(optimizer: Any) -> Any:
         >>> unwrap_optimizer(Wrapper(opt)) is opt
         True
     """
+    if type(optimizer) in _TORCH_OPTIMIZERS:  # per step, several times: the common case costs one lookup
+        return optimizer
     for _ in range(16):
         inner = getattr(optimizer, "_optimizer", None)
         if inner is None:
@@ -60,6 +62,13 @@ def unwrap_optimizer(optimizer: Any) -> Any:
             f"{type(optimizer).__qualname__}. HINT: pass the optimizer that owns the parameters."
         )
     return optimizer
+
+
+_TORCH_OPTIMIZERS = frozenset(
+    cls
+    for cls in vars(torch.optim).values()
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+)  # torch's own classes, which wrap nothing (a subclass of one is unwrapped by its attributes)
 
 
 def handles_unscaling(optimizer: Any) -> bool:

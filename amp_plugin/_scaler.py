@@ -53,6 +53,16 @@ class Stage(enum.Enum):
     STEPPED = 2
 
 
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+StageName = Literal["ready", "unscaled", "stepped"]
+_STAGE_NAMES: dict[Stage, StageName] = {
+    Stage.READY: "ready",
+    Stage.UNSCALED: "unscaled",
+    Stage.STEPPED: "stepped",
+}
+
+
 @dataclass
 class OptimizerState:
     """One optimizer's part of the iteration."""
@@ -97,7 +107,10 @@ class Iteration:
 
     def open(self, key: int) -> OptimizerState:
         """The state of the optimizer with ``id`` ``key``, created READY on first touch."""
-        return self.states.setdefault(key, OptimizerState())
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = OptimizerState()
+        return state
 
     def stage(self, key: int) -> Stage:
         """Where that optimizer stands (READY when untouched)."""
@@ -310,13 +323,15 @@ class LossScaler:
         )
 
     def _scale_tensor(self, loss: Tensor) -> Tensor:
-        scale = self._policy.ensure(loss.device)
+        scale = self._policy.scale
+        if scale is None:
+            scale = self._policy.ensure(loss.device)
         self._iteration.scaled = True
         if self.spike_guard is not None:
             self.spike_guard.observe(loss)
         if self._guard_only:  # a scale of 1 scales nothing: the loss keeps its dtype and values
             return _ScaledLoss.apply(loss) if loss.requires_grad else loss
-        if loss.dtype in (torch.float16, torch.bfloat16):
+        if loss.dtype in _HALF:
             loss = loss.float()
         factor = scale.to(device=loss.device, dtype=loss.dtype, non_blocking=True)
         if not loss.requires_grad:
@@ -326,9 +341,7 @@ class LossScaler:
         # itself (bit for bit torch's GradScaler's gradients) for a finite loss, NaN for an inf/NaN
         # one, which the step's inf check then finds. Three launches in all, as a Python
         # autograd.Function took, in C++: no Python runs in forward or backward.
-        with torch.no_grad():
-            backward_factor = torch.add(factor, loss, alpha=0)
-        return loss * backward_factor
+        return loss * torch.add(factor, loss.detach(), alpha=0)
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.
@@ -591,7 +604,7 @@ class LossScaler:
             "LossScaler.clip_grad_value_", "clip_value", clip_value, low=0.0, hint="e.g. clip_value=0.5."
         )
         opt = unwrap_optimizer(optimizer)
-        grads = clipping.gradients(opt.param_groups)
+        grads = clipping.gradients(opt.param_groups)  # refuses sparse gradients
         if self._enabled:
             state = self._clippable_state(opt, "LossScaler.clip_grad_value_")
             if state.stage is Stage.READY:
@@ -599,11 +612,9 @@ class LossScaler:
             elif state.grad_scale is not None:  # a folded norm clip: materialise it first
                 self._backend().mul_(grads, state.grad_scale.reciprocal())
                 state.grad_scale = None
-            else:
-                self.recheck_(opt)
-        torch.nn.utils.clip_grad_value_(
-            [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip_value
-        )
+            elif state.found_inf is not None:
+                self._recheck(state, grads)
+        clipping.clamp_(local_shards(grads), clip_value)
 
     def _clippable_state(self, opt: Any, call: str) -> OptimizerState:
         state = self._state(opt, call)
@@ -628,7 +639,9 @@ class LossScaler:
         """Mark the step as overflowing if an unscaled gradient of ``optimizer`` is now inf/NaN.
 
         For changes made after ``unscale_`` or a clip (hooks, penalties): one read of the
-        gradients (their norm), no write. Before ``unscale_`` there is nothing to do (``step``
+        gradients (their norm), no write; on a CPU, gradients this scaler unscaled in place (up to
+        8M elements) are checked by torch's AMP check instead, one launch that multiplies them by 1
+        and leaves their values as they are. Before ``unscale_`` there is nothing to do (``step``
         checks the gradients then). The flag is agreed across ranks again before the step.
         """
         if not self._enabled:
@@ -641,20 +654,25 @@ class LossScaler:
             raise RuntimeError(
                 "recheck_() was called after step() on this optimizer. HINT: recheck before step()."
             )
-        grads, flag = gradients_to_unscale(opt), state.found_inf
+        self._recheck(state, gradients_to_unscale(opt))
+
+    def _recheck(self, state: OptimizerState, grads: list[Tensor]) -> None:
+        """:meth:`recheck_` of ``grads``, for an optimizer whose ``state`` has a flag and has not stepped."""
+        flag = cast(Tensor, state.found_inf)
         if flag.device != self._require_scale("recheck_").device or flag.dtype != torch.float32:
             state.merge_inf(self._nonfinite(grads, state.grad_scale), agreed=False)
             return
         # Set in the step's own flag (two launches fewer than a new flag and a maximum of the two).
-        self._nonfinite(grads, state.grad_scale, into=flag)
+        # Unscaled in place already (by a loss scaler: a guard and a folded clip only read them).
+        rewrite = not self._guard_only and state.grad_scale is None
+        self._nonfinite(grads, state.grad_scale, into=flag, rewrite=rewrite)
         state.synced = False  # this rank's view changed: agree across ranks again before the step
 
     # -- what happened this iteration ------------------------------------------------------
 
-    def stage(self, optimizer: Any) -> Literal["ready", "unscaled", "stepped"]:
+    def stage(self, optimizer: Any) -> StageName:
         """Where ``optimizer`` stands in this iteration: gradients still scaled, unscaled, or stepped."""
-        stage = self._iteration.stage(id(unwrap_optimizer(optimizer)))
-        return cast(Literal["ready", "unscaled", "stepped"], stage.name.lower())
+        return _STAGE_NAMES[self._iteration.stage(id(unwrap_optimizer(optimizer)))]
 
     def found_inf(self, optimizer: Any) -> Tensor | None:
         """The inf flag of ``optimizer`` in this iteration (0-dim fp32; > 0: its step is skipped).
@@ -786,17 +804,25 @@ class LossScaler:
             self._kernels = ShardAwareKernels(kernels)  # DTensor gradients: local shards, global norms
         return self._kernels
 
-    def _nonfinite(self, grads: list[Tensor], carried: Tensor | None, into: Tensor | None = None) -> Tensor:
+    def _nonfinite(
+        self, grads: list[Tensor], carried: Tensor | None, into: Tensor | None = None, rewrite: bool = False
+    ) -> Tensor:
         """This rank's inf flag of ``grads`` (one read, three launches), next to the scale.
 
         Where the spike guard wants this iteration's gradient norm, the same per-tensor norms give
         it (two launches more, no read of the gradients), divided by the factor ``carried``.
+        ``rewrite``: the gradients were written already (unscaled), and on a CPU they may be checked
+        by torch's AMP check, one launch that multiplies them by 1 (:func:`clipping.nonfinite_by_rewrite`).
         """
         scale = self._require_scale("the inf check")
         if self._one is None or self._one.device != scale.device:
             self._one = torch.ones((), dtype=torch.float32, device=scale.device)
         spike = self.spike_guard
         want = spike is not None and spike.wants_grad_norm
+        if rewrite and into is not None and not want and clipping.nonfinite_by_rewrite(
+            local_shards(grads), self._one, into
+        ):
+            return into
         found_inf, norm = clipping.nonfinite_and_norm(local_shards(grads), self._one, want, into)
         if spike is not None and norm is not None:
             spike.observe_grad_norm(norm if carried is None else norm / carried.to(norm))

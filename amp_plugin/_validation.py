@@ -114,24 +114,23 @@ def check_number(
         >>> check_number("clip_grad_norm_", "max_norm", 1, low=0.0)
         1.0
     """
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if number is not None and not (
+        not math.isfinite(number)
+        or (low is not None and (number <= low if low_open else number < low))
+        or (high is not None and (number >= high if high_open else number > high))
+    ):
+        return number  # the message below is built only for a refusal: this check runs per step
     lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
     hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
     allowed = ("a finite number " + " and ".join(b for b in (lo, hi) if b)).strip()
     hint = hint or f"pass a plain Python float for {name}."
     got = f"{name}={value!r}"
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if number is None:
         why = f"it is a {type(value).__name__}, not a number"
         fail(call, passed=got, why=why, allowed=allowed, hint=hint, error=TypeError)
-    number = float(value)
-    out_of_range = (
-        not math.isfinite(number)
-        or (low is not None and (number <= low if low_open else number < low))
-        or (high is not None and (number >= high if high_open else number > high))
-    )
-    if out_of_range:
-        why = "it is not finite" if not math.isfinite(number) else "it is out of range"
-        fail(call, passed=got, why=why, allowed=allowed, hint=hint)
-    return number
+    why = "it is not finite" if not math.isfinite(number) else "it is out of range"
+    fail(call, passed=got, why=why, allowed=allowed, hint=hint)
 
 
 def check_int(call: str, name: str, value: object, *, low: int | None = None, hint: str = "") -> int:

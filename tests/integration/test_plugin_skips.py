@@ -145,7 +145,8 @@ def test_the_recheck_reads_only_where_hooks_observe(
 ) -> None:
     plugin = _plugin()
     assert plugin.scaler is not None
-    with mock.patch.object(plugin.scaler, "recheck_", wraps=plugin.scaler.recheck_) as spy:
+    # recheck_ and the value clip's check before its clamp both read through _recheck.
+    with mock.patch.object(plugin.scaler, "_recheck", wraps=plugin.scaler._recheck) as spy:
         _fit(module(), plugin, **clip)
     assert spy.call_count == rechecks
 

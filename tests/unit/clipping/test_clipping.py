@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from amp_plugin import LossScaler
-from amp_plugin._clipping import clip_grad_norm_, gradients, nonfinite
+from amp_plugin._clipping import clamp_, clip_grad_norm_, gradients, nonfinite, nonfinite_by_rewrite
 from amp_plugin.kernels import get_kernels
 
 SCALE = 2.0**12
@@ -215,3 +215,48 @@ def test_a_guarded_bf16_step_never_hands_bf16_to_torch_amp_check(monkeypatch: py
         changed = not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         assert guard.last_step_skipped == (value != 1.0) and changed == (value == 1.0)
         opt.zero_grad()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_check_by_rewrite_leaves_every_value_bit_for_bit(dtype: torch.dtype) -> None:
+    info = torch.finfo(dtype)
+    special = torch.tensor([-0.0, 0.0, info.tiny / 4, -info.tiny / 2, info.max, -info.max, 1.0], dtype=dtype)
+    grads = [special, torch.randn(5, 7).to(dtype), torch.empty(0, dtype=dtype)]
+    before = [_bits(g).clone() for g in grads]
+    found_inf = torch.zeros(())
+    assert nonfinite_by_rewrite(grads, torch.ones(()), found_inf)
+    assert found_inf.item() == 0.0
+    assert all(torch.equal(_bits(g), b) for g, b in zip(grads, before, strict=True))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_the_check_by_rewrite_finds_what_the_norm_finds(bad: float) -> None:
+    grads = [torch.randn(3, 4), torch.randn(6).half()]
+    grads[1][2] = bad
+    found_inf = torch.zeros(())
+    assert nonfinite_by_rewrite(grads, torch.ones(()), found_inf)
+    assert found_inf.item() == 1.0 == nonfinite([g.clone() for g in grads], torch.ones(())).item()
+
+
+def test_the_check_by_rewrite_declines_large_gradients_and_leaves_the_flag() -> None:
+    grads = [torch.zeros(1 << 22), torch.full(((1 << 22) + 1,), float("inf"))]  # one element over the limit
+    found_inf = torch.zeros(())
+    assert not nonfinite_by_rewrite(grads, torch.ones(()), found_inf)
+    assert found_inf.item() == 0.0
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.25, 3.0])
+def test_clamp_is_torchs_clip_grad_value(clip: float) -> None:
+    torch.manual_seed(0)
+    values = [torch.randn(4, 3) * 2, torch.randn(5).half(), torch.tensor([float("nan"), -float("inf"), 1e4])]
+    params = [nn.Parameter(torch.zeros_like(v)) for v in values]
+    for p, v in zip(params, values, strict=True):
+        p.grad = v.clone()
+    torch.nn.utils.clip_grad_value_(params, clip)
+    mine = [v.clone() for v in values]
+    clamp_(mine, clip)
+    assert all(torch.equal(_bits(m), _bits(p.grad)) for m, p in zip(mine, params, strict=True))
