@@ -1,6 +1,6 @@
 """One training run's mixed precision, in plain torch: the arguments checked once, the guard built once.
 
-The Trainer's :class:`~amp_plugin.AMPPrecision`, Fabric's :class:`~amp_plugin.fabric.AMPPrecision`
+The Trainer's :class:`~amp_plugin.AMPPrecision`, Fabric's :class:`~amp_plugin.lightning.fabric.AMPPrecision`
 and anything else that drives a training loop take the same arguments: ``precision``, ``device``
 and ``scaler`` (positional, as in Lightning's ``MixedPrecision``) and the keywords of
 :class:`RunOptions`. Each adapter hands them to one :class:`AMPRun`, which

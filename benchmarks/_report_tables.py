@@ -416,7 +416,7 @@ def _fabric_speed(p: dict[str, Any]) -> Summary:
             ]
         )
     bars = Bars(
-        "amp_plugin.fabric.AMPPrecision vs Fabric's MixedPrecision / HalfPrecision (paired)",
+        "amp_plugin.lightning.fabric.AMPPrecision vs Fabric's MixedPrecision / HalfPrecision (paired)",
         "steps/s ratio",
         labels,
         [r["ratio"] for r in p["rows"]],

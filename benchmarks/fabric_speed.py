@@ -1,4 +1,4 @@
-"""Training steps/s in Lightning Fabric: amp_plugin.fabric.AMPPrecision vs Fabric's own plugins.
+"""Training steps/s in Lightning Fabric: amp_plugin.lightning.fabric.AMPPrecision vs Fabric's own plugins.
 
 Each row trains the same model with the same data under both plugins, in paired rounds: a
 round times ``--steps`` optimizer steps (forward, ``fabric.backward``, optionally
@@ -29,7 +29,7 @@ from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 from torch import nn
 
 from amp_plugin import LossScaler
-from amp_plugin.fabric import AMPPrecision
+from amp_plugin.lightning.fabric import AMPPrecision
 
 GROWTH_INTERVAL = 1_000_000_000  # the scale stays put while timing
 MODELS = {"tiny": (32, 2, 16), "small": (512, 4, 64)}  # width, layers, batch

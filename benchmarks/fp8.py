@@ -23,7 +23,7 @@ per Linear at 8k tokens x 4096, more at >= 16k tokens with K, N >= 8192):
 (no rotary embedding: it is elementwise work, the same in every case.) Each shape runs four cases
 in the same interleaved rounds: ``bf16`` (Fabric's ``MixedPrecision("bf16-mixed")``), ``torchao``
 (the same, the block Linears converted by hand with torchao's ``convert_to_float8_training``),
-``AMPPrecision`` (``amp_plugin.fabric.AMPPrecision("bf16-mixed", fp8=Float8(recipe, filter=...))``:
+``AMPPrecision`` (``amp_plugin.lightning.fabric.AMPPrecision("bf16-mixed", fp8=Float8(recipe, filter=...))``:
 the same layers, converted by the plugin, and every step guarded, its default: one
 read of the fp32 gradients per step, which torchao's loop does not make) and ``AMPPrecision ...,
 guard off`` (``guard=False``: the conversion alone). ``vs bf16`` and ``vs torchao`` are ratios of
@@ -240,7 +240,7 @@ def build_case(label: str, recipe: str, shape: Shape, device: str, compiled: boo
     """One case's model, optimizer and Fabric, set up; its ``run`` is one training step."""
     from lightning.fabric.plugins.precision import MixedPrecision
 
-    from amp_plugin.fabric import AMPPrecision
+    from amp_plugin.lightning.fabric import AMPPrecision
 
     torch.manual_seed(0)
     # Initialised where it trains: a 0.86B-parameter layer is slow to fill on a CPU.

@@ -28,7 +28,7 @@ from quickstart import print_key_values  # shared with the quickstart
 from torch import nn
 
 from amp_plugin import LossScaler
-from amp_plugin.fabric import AMPPrecision
+from amp_plugin.lightning.fabric import AMPPrecision
 
 FEATURES = 16
 MAX_NORM = 5.0

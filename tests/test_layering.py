@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ),
     ("step", _in_package("_step")),
     ("run", _in_package("_run")),
-    ("adapters", _in_package("lightning lightning.* accelerate fabric")),
+    ("adapters", _in_package("lightning lightning.* accelerate")),
     # The package's own __init__ re-exports from the layers below (its Lightning names on first use),
     # so only the command line sits above it.
     ("package", frozenset({"amp_plugin"})),

@@ -22,7 +22,7 @@ PUBLIC_MODULES = {
     "amp_plugin.cli",
     "amp_plugin.consistency",
     "amp_plugin.diagnostics",
-    "amp_plugin.fabric",
+    "amp_plugin.lightning.fabric",
     "amp_plugin.fp32_policy",
     "amp_plugin.fp8",
     "amp_plugin.grad_accumulation",

@@ -2,8 +2,8 @@
 
 Import :class:`~amp_plugin.AMPPrecision`, :class:`~amp_plugin.AMPFSDPPrecision` and
 :class:`~amp_plugin.LossScaleMonitor` from ``amp_plugin`` (which loads their modules here on first
-use), Fabric's plugin as ``amp_plugin.fabric.AMPPrecision``, and :data:`CHECKPOINT_KEY` from here:
-the key under which a Trainer checkpoint holds the plugin's state.
+use), Fabric's plugin as ``amp_plugin.lightning.fabric.AMPPrecision``, and :data:`CHECKPOINT_KEY`
+from here: the key under which a Trainer checkpoint holds the plugin's state.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def set_fabric_input_dtype(plugin: Any, dtype: torch.dtype) -> None:
     """Set what Fabric's ``MixedPrecision.__init__`` sets as ``_desired_input_dtype``.
 
     Fabric's throughput utilities (``_plugin_to_compute_dtype``, behind ``ThroughputMonitor``'s
-    FLOPs) read it from any ``MixedPrecision``; ``amp_plugin.fabric.AMPPrecision`` does not run
+    FLOPs) read it from any ``MixedPrecision``; ``amp_plugin.lightning.fabric.AMPPrecision`` does not run
     that ``__init__`` (it takes only the "-mixed" strings and builds a torch GradScaler).
 
     Example:

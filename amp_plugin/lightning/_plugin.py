@@ -44,7 +44,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
     A :class:`~lightning.pytorch.plugins.precision.MixedPrecision` to Lightning (its
     ThroughputMonitor and checkpoint code treat it as one), driving a :class:`LossScaler`.
-    Fabric's :class:`amp_plugin.fabric.AMPPrecision` takes the same arguments: both hand them to
+    Fabric's :class:`amp_plugin.lightning.fabric.AMPPrecision` takes the same arguments: both hand them to
     one core, which checks them and builds the run.
 
     Args:
@@ -390,8 +390,8 @@ def _say(message: str, warn: bool) -> None:
 
 _IN_FABRIC = (
     "Fabric(plugins=[amp_plugin.AMPPrecision({self.requested!r})]) is not allowed here: that is the "
-    "Trainer's plugin. Allowed: amp_plugin.fabric.AMPPrecision (the same arguments). "
-    "HINT: from amp_plugin.fabric import AMPPrecision"
+    "Trainer's plugin. Allowed: amp_plugin.lightning.fabric.AMPPrecision (the same arguments). "
+    "HINT: from amp_plugin.lightning.fabric import AMPPrecision"
 )
 
 

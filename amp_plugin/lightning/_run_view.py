@@ -91,7 +91,7 @@ class RunView:
         ``None`` with ``guard=False``, or until the precision is resolved.
 
         Example:
-            >>> from amp_plugin.fabric import AMPPrecision
+            >>> from amp_plugin.lightning.fabric import AMPPrecision
             >>> AMPPrecision("bf16-mixed", device="cpu").guard.get_scale()
             1.0
         """

@@ -1,7 +1,7 @@
 """Fabric with half-precision weights: masters (O2), "-true" with a rounding, skips and resumes.
 
 The Trainer's versions are in ``test_half_weights.py``; these run the same checks through
-``amp_plugin.fabric.AMPPrecision`` in a plain Fabric loop.
+``amp_plugin.lightning.fabric.AMPPrecision`` in a plain Fabric loop.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from amp_plugin.fabric import AMPPrecision
+from amp_plugin.lightning.fabric import AMPPrecision
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

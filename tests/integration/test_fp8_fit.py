@@ -223,7 +223,7 @@ def test_bad_fp8_requests_are_refused(kwargs: dict[str, Any], error: type[Except
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-true", "32-true"])
 def test_fabric_refuses_fp8_outside_bf16_mixed(precision: str) -> None:
-    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+    from amp_plugin.lightning.fabric import AMPPrecision as FabricAMPPrecision
 
     with pytest.raises(
         ValueError, match=rf"^AMPPrecision\(precision='{precision}', fp8='rowwise'\)"
@@ -242,7 +242,7 @@ def test_fp8_without_torchao_names_the_install_command(monkeypatch: pytest.Monke
 def test_fabric_fp8_converts_at_setup_and_skips_a_nan() -> None:
     from lightning.fabric import Fabric
 
-    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+    from amp_plugin.lightning.fabric import AMPPrecision as FabricAMPPrecision
 
     plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp8=SMALL)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -295,7 +295,7 @@ def test_fp32_modules_stay_out_of_fp8_in_the_trainer_plugin() -> None:
 def test_fp32_modules_stay_out_of_fp8_and_in_fp32_under_fabric() -> None:
     from lightning.fabric import Fabric
 
-    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+    from amp_plugin.lightning.fabric import AMPPrecision as FabricAMPPrecision
 
     plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp8=SMALL, fp32_modules=(_Fp32Block,))
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -313,7 +313,7 @@ def test_fabric_fp8_all_gather_steps_the_weights_the_model_uses() -> None:
     # before fabric.setup (Fabric's usual order) held the old ones and never moved those layers.
     from lightning.fabric import Fabric
 
-    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+    from amp_plugin.lightning.fabric import AMPPrecision as FabricAMPPrecision
 
     plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp8=Float8(min_features=64, all_gather=True))
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -334,7 +334,7 @@ def test_fabric_fp8_all_gather_steps_the_weights_the_model_uses() -> None:
 def test_a_failed_fabric_fp8_conversion_leaves_no_fp32_hooks_behind() -> None:
     from lightning.fabric import Fabric
 
-    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+    from amp_plugin.lightning.fabric import AMPPrecision as FabricAMPPrecision
 
     def broken(module: torch.nn.Module, name: str) -> bool:
         raise AttributeError("a bug in the user's filter")
@@ -353,7 +353,7 @@ def test_a_failed_fabric_fp8_conversion_leaves_no_fp32_hooks_behind() -> None:
 def test_fabric_fp8_all_gather_repoints_the_first_models_optimizer_after_a_second_setup() -> None:
     from lightning.fabric import Fabric
 
-    from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+    from amp_plugin.lightning.fabric import AMPPrecision as FabricAMPPrecision
 
     plugin = FabricAMPPrecision("bf16-mixed", device="cpu", fp8=Float8(min_features=64, all_gather=True))
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])

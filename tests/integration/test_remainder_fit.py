@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 
 from amp_plugin import AMPPrecision
-from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+from amp_plugin.lightning.fabric import AMPPrecision as FabricAMPPrecision
 from amp_plugin.master_weights import cast_model, masters_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -12,8 +12,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
 from amp_plugin import AMPPrecision
-from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
 from amp_plugin.lightning import _checks as checks
+from amp_plugin.lightning.fabric import AMPPrecision as FabricAMPPrecision
 from amp_plugin.precision import cpu_emulation_note
 
 

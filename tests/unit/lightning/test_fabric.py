@@ -1,4 +1,4 @@
-"""``amp_plugin.fabric.AMPPrecision`` in Lightning Fabric: skips, clipping, checkpoints, DDP."""
+"""``amp_plugin.lightning.fabric.AMPPrecision`` in Lightning Fabric: skips, clipping, checkpoints, DDP."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 
 import amp_plugin
 from amp_plugin import LossScaler
-from amp_plugin.fabric import AMPPrecision
+from amp_plugin.lightning.fabric import AMPPrecision
 from tests._ranks import leave_group
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*emulates.*")
@@ -461,7 +461,7 @@ def test_lr_on_skip_advance_steps_the_scheduler_without_the_order_warning() -> N
 
 def test_the_trainers_plugin_in_fabric_fails_at_setup_naming_the_fabric_import() -> None:
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[amp_plugin.AMPPrecision("16-mixed", device="cpu")])
-    with pytest.raises(TypeError, match=r"the Trainer's plugin.*HINT: from amp_plugin\.fabric import "):
+    with pytest.raises(TypeError, match=r"the Trainer's plugin.*HINT: from amp_plugin\.lightning\.fabric import "):
         fabric.setup(_net())
 
 
@@ -469,7 +469,7 @@ def test_fabrics_plugin_in_a_trainer_is_refused_naming_the_trainer_import() -> N
     from lightning.pytorch import Trainer
 
     with pytest.raises(
-        Exception, match=r"amp_plugin\.fabric\.AMPPrecision.*Trainer.* amp_plugin\.AMPPrecision"
+        Exception, match=r"amp_plugin\.lightning\.fabric\.AMPPrecision.*Trainer.* amp_plugin\.AMPPrecision"
     ):
         Trainer(accelerator="cpu", plugins=[AMPPrecision("16-mixed", device="cpu")], logger=False)
 

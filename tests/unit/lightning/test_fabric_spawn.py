@@ -20,9 +20,9 @@ from torch import nn
 
 from amp_plugin import AMPPrecision as TrainerAMPPrecision
 from amp_plugin import LossScaler
-from amp_plugin.fabric import AMPPrecision
 from amp_plugin.lightning._fsdp import AMPFSDPPrecision
 from amp_plugin.lightning._monitor import LossScaleMonitor
+from amp_plugin.lightning.fabric import AMPPrecision
 from tests._ranks import leave_group
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*emulates.*")

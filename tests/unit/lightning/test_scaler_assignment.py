@@ -18,7 +18,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
 from amp_plugin import AMPPrecision, LossScaler
-from amp_plugin import fabric as fabric_plugin
+from amp_plugin.lightning import fabric as fabric_plugin
 from amp_plugin.lightning._fsdp import AMPFSDPPrecision
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*emulates.*")

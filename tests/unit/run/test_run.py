@@ -14,7 +14,7 @@ from torch import nn
 
 from amp_plugin import AMPPrecision, LossScaler
 from amp_plugin._run import DEFAULTS, AMPRun, RunOptions
-from amp_plugin.fabric import AMPPrecision as FabricAMPPrecision
+from amp_plugin.lightning.fabric import AMPPrecision as FabricAMPPrecision
 
 PLUGINS = [AMPPrecision, FabricAMPPrecision]
 

@@ -502,7 +502,7 @@ def test_the_state_dict_holds_the_history_and_refuses_another_window() -> None:
 def test_fabric_checkpoints_the_history(precision: str) -> None:
     from lightning.fabric import Fabric
 
-    from amp_plugin.fabric import AMPPrecision
+    from amp_plugin.lightning.fabric import AMPPrecision
 
     def fabric_run(steps: int, state: dict[str, Any] | None) -> tuple[AMPPrecision, SpikeGuard]:
         spike = SpikeGuard(warmup=2, on=("loss", "grad_norm"))

@@ -85,7 +85,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         >>> plugin.precision, plugin.dtype, type(plugin.scaler).__name__
         ('16-mixed', torch.float16, 'LossScaler')
         >>> plugin
-        amp_plugin.fabric.AMPPrecision('16-mixed')
+        amp_plugin.lightning.fabric.AMPPrecision('16-mixed')
     """
 
     def __init__(  # MixedPrecision.__init__ is not called: it takes only "-mixed" and builds a GradScaler
@@ -134,7 +134,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         return cls(**opt_level_arguments(level, **overrides))
 
     def __repr__(self) -> str:
-        return f"amp_plugin.fabric.AMPPrecision({self.requested!r})"
+        return f"amp_plugin.lightning.fabric.AMPPrecision({self.requested!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         # Fabric(strategy="ddp_spawn") pickles the plugin into every process. Weak references do not
