@@ -7,7 +7,9 @@ unscaling the wrapper and then the inner optimizer would unscale twice.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -123,7 +125,19 @@ def takes_grad_scaler(optimizer: Any) -> bool:
         >>> takes_grad_scaler(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
         False
     """
-    return "grad_scaler" in inspect.signature(unwrap_optimizer(optimizer).step).parameters
+    step = unwrap_optimizer(optimizer).step
+    function = getattr(step, "__func__", step)  # one entry per step function, not per optimizer
+    try:
+        return _TAKES_GRAD_SCALER[function]
+    except (KeyError, TypeError):  # TypeError: a callable that takes no weak reference
+        pass
+    takes = "grad_scaler" in inspect.signature(step).parameters  # tens of microseconds: asked once
+    with contextlib.suppress(TypeError):
+        _TAKES_GRAD_SCALER[function] = takes
+    return takes
+
+
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def step_with_amp_attributes(

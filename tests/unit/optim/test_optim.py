@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +14,7 @@ from amp_plugin._optim import (
     gradients_to_unscale,
     handles_unscaling,
     step_with_amp_attributes,
+    takes_grad_scaler,
     unwrap_optimizer,
 )
 
@@ -59,3 +64,20 @@ def test_amp_attributes_are_removed_even_when_the_step_raises() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         step_with_amp_attributes(opt, opt, torch.tensor(2.0), torch.zeros(()))
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+def test_whether_a_step_takes_grad_scaler_is_read_once_per_step_function() -> None:
+    class Old(torch.optim.SGD):  # torch's older fused contract: the step asks for the scaler
+        def step(self, closure: Any = None, grad_scaler: Any = None) -> None:
+            return None
+
+    class New(torch.optim.SGD):  # a step function of its own: nothing read for it before this test
+        def step(self, closure: Any = None) -> None:
+            return None
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    optimizers = [Old(params, lr=0.1), Old(params, lr=0.2), New(params, lr=0.1)]
+    with mock.patch("inspect.signature", wraps=inspect.signature) as signature:
+        answers = [takes_grad_scaler(opt) for opt in optimizers for _ in range(3)]
+    assert answers == [True] * 6 + [False] * 3
+    assert signature.call_count == 2  # one per step function, however many optimizers and steps
