@@ -368,7 +368,10 @@ class LossScaler:
         if self._guard_only:  # a scale of 1: the gradients are read, never written
             state.found_inf = self._nonfinite(gradients_to_unscale(opt), self._carried_factor(opt))
         else:
-            inv_scale = scale.double().reciprocal().float()
+            # torch's GradScaler takes the reciprocal in fp64 and rounds it to fp32; one fp32 reciprocal
+            # gives the same bits, in one launch where that takes three: a quotient correctly rounded
+            # to 53 bits, then to 24, is the quotient correctly rounded to 24 (53 >= 2 * 24 + 2).
+            inv_scale = scale.reciprocal()
             state.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
             self._backend().unscale_(gradients_to_unscale(opt), inv_scale, state.found_inf)
         state.stage, state.grad_scale = Stage.UNSCALED, None

@@ -461,7 +461,8 @@ def test_lr_on_skip_advance_steps_the_scheduler_without_the_order_warning() -> N
 
 def test_the_trainers_plugin_in_fabric_fails_at_setup_naming_the_fabric_import() -> None:
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[amp_plugin.AMPPrecision("16-mixed", device="cpu")])
-    with pytest.raises(TypeError, match=r"the Trainer's plugin.*HINT: from amp_plugin\.lightning\.fabric import "):
+    hint = r"the Trainer's plugin.*HINT: from amp_plugin\.lightning\.fabric import "
+    with pytest.raises(TypeError, match=hint):
         fabric.setup(_net())
 
 

@@ -88,6 +88,30 @@ def test_injected_inf_nan_skips_and_backs_off_like_torch(
     assert len(set(theirs.scales)) >= 3  # the scale both grew and backed off
 
 
+@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adam", "adamw-fused"])
+def test_scales_that_are_no_power_of_two_unscale_like_torch(opt_name: str, device: str) -> None:
+    """1 / scale rounds: LossScaler's fp32 reciprocal gives GradScaler's fp64-then-fp32 bits."""
+    x = data(STEPS, device=device)
+
+    def loop(scaler: Scaler, arm: str) -> Trace:
+        model = mlp(device=device)
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        params, trace = list(model.parameters()), Trace()
+        for i in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(_loss(model, x[i, 0])).backward()
+            if i in POISON_AT:
+                poison(params, "middle", POISONS["+inf"])
+            skipped = step(scaler, opt)
+            scaler.update()
+            trace.close(scaler, [opt], [skipped])
+        return trace
+
+    odd = {"init_scale": 3.0 * 2.0**10, "growth_factor": 1.7, "backoff_factor": 0.3}
+    theirs, _ = run_twins(loop, device, growth_interval=2, **odd)
+    assert len({s for s in theirs.scales if s != int(s) or bin(int(s)).count("1") > 1}) >= 3
+
+
 @pytest.mark.parametrize("opt_name", ["adam", "adamw-fused"])
 def test_overflow_of_an_fp16_autocast_backward_matches_torch(opt_name: str, device: str) -> None:
     """No injection: a huge scale overflows the fp16 backward itself until it has backed off."""
