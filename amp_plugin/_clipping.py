@@ -170,8 +170,9 @@ def nonfinite_by_rewrite(grads: Sequence[Tensor], one: Tensor, found_inf: Tensor
     unscale): there the one launch of torch's AMP check costs less than :func:`nonfinite`'s
     per-tensor norms, which the CPU computes one tensor at a time, while above that size its write
     costs more than the norms' read. Multiplying by ``one`` (an fp32 ``1.0``) leaves every value as
-    it was, ``-0.0``, subnormals and NaN included. Returns whether it ran (``False``: elsewhere, or
-    larger, with nothing done).
+    it was, ``-0.0``, subnormals and NaN included. Returns whether it ran (``False``: elsewhere,
+    larger, or a gradient that cannot be written in place, such as an expanded view; the flag is
+    then set only where it found an inf/NaN already).
 
     Example:
         >>> grads, found_inf = [torch.tensor([-0.0, 2.0]), torch.tensor([float("nan")])], torch.zeros(())
@@ -188,8 +189,11 @@ def nonfinite_by_rewrite(grads: Sequence[Tensor], one: Tensor, found_inf: Tensor
     if elements > _REWRITE_MAX_ELEMENTS:
         return False
     if elements:
-        with torch.no_grad():
-            torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, one)
+        try:
+            with torch.no_grad():
+                torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, one)
+        except RuntimeError:  # a gradient that cannot be written (an expanded view): the norms read it
+            return False
     return True
 
 

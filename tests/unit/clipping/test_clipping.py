@@ -260,3 +260,15 @@ def test_clamp_is_torchs_clip_grad_value(clip: float) -> None:
     mine = [v.clone() for v in values]
     clamp_(mine, clip)
     assert all(torch.equal(_bits(m), _bits(p.grad)) for m, p in zip(mine, params, strict=True))
+
+
+def test_an_expanded_gradient_is_checked_by_its_norm_instead() -> None:
+    """A hook may put a gradient that cannot be written in place (an expanded view) after unscale_."""
+    model, opt = _setup()
+    scaler = LossScaler("cpu", init_scale=SCALE)
+    _backward(scaler, model)
+    scaler.unscale_(opt)
+    model[2].bias.grad = torch.tensor(float("inf")).expand(4)  # one memory location, four elements
+    scaler.recheck_(opt)
+    found = scaler.found_inf(opt)
+    assert found is not None and found.item() == 1.0
