@@ -299,6 +299,20 @@ class AMPRun:
         return self.driver is not None and self.driver.last_step_skipped
 
     @property
+    def weights(self) -> Literal["fp32", "master", "half"]:
+        """What the optimizers step: fp32 weights, fp32 masters of half weights, or half weights ("-true").
+
+        Example:
+            >>> AMPRun("bf16-mixed", "cpu").weights, AMPRun("bf16-true", "cpu").weights
+            ('fp32', 'half')
+            >>> AMPRun("bf16-mixed", "cpu", master_weights="remainder").weights
+            'master'
+        """
+        if self.half is None:
+            return "fp32"
+        return "master" if self.master_weights else "half"
+
+    @property
     def masters(self) -> MasterWeights | None:
         """The fp32 master weights (``master_weights``, once the model is converted), else ``None``."""
         return self.half.masters if self.half is not None and self.master_weights else None

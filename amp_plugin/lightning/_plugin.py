@@ -145,7 +145,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             device,
             dtype,
             grad_scaling=self.scaler is not None,
-            weights="fp32" if run.half is None else "master" if self.master_weights else "half",
+            weights=run.weights,
         )
         if run.half is not None:
             run.half.attach(optimizers)

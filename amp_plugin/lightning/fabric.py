@@ -269,9 +269,8 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             _repoint(opt, self._replaced)
             module = self._model_of(opt)
             if module is not None:
-                weights = "fp32" if self._run.half is None else "master" if self.master_weights else "half"
-                grad_scaling = self.scaler is not None
-                checks.check_fit_start(module, [opt], self.device, self.dtype, grad_scaling, weights)
+                scaling = self.scaler is not None
+                checks.check_fit_start(module, [opt], self.device, self.dtype, scaling, self._run.weights)
             elif self._run.half is not None:
                 fail(
                     "AMPPrecision.attach",
