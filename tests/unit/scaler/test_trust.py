@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin import LossScaler
 from amp_plugin._scale_policy import ScaleFloorWarning
@@ -144,6 +146,35 @@ def test_recheck_catches_a_change_after_unscale() -> None:
     scaler.update()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert scaler.skipped_steps == 1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["fp16", "guard"])
+def test_the_recheck_launches_what_its_device_reads_fastest(device: str, kind: str) -> None:
+    """CPU, gradients the scaler unscaled in place: torch's AMP check (one launch, values as they were).
+    CUDA, or a guard that never writes the gradients: their per-tensor norms, read only."""
+    fp16 = kind == "fp16"
+    scaler = LossScaler(device, init_scale=2.0**8) if fp16 else LossScaler(device, 1.0, dynamic=False)
+    model = nn.Linear(4, 2).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler.scale(model(torch.ones(3, 4, device=device)).square().mean()).backward()
+    scaler.unscale_(opt)
+    scaler.recheck_(opt)  # the first check makes the scaler's constant 1.0, once
+    with _Ops() as mode:
+        scaler.recheck_(opt)
+    if device == "cpu" and fp16:
+        assert mode.ops == Counter({"_amp_foreach_non_finite_check_and_unscale_": 1})
+    else:
+        assert mode.ops["_foreach_norm"] == 1 and "_foreach_mul_" not in mode.ops
 
 
 def test_recheck_of_finite_gradients_changes_nothing() -> None:
