@@ -163,38 +163,27 @@ def clamp_(grads: Sequence[Tensor], clip_value: float) -> None:
 _REWRITE_MAX_ELEMENTS = 1 << 23
 
 
-def nonfinite_by_rewrite(grads: Sequence[Tensor], one: Tensor, found_inf: Tensor) -> bool:
-    """Set ``found_inf`` where ``grads`` hold an inf/NaN by torch's AMP check, which multiplies them by 1.
+def rewrite_pays(grads: Sequence[Tensor], found_inf: Tensor) -> bool:
+    """Whether the inf check of ``grads`` costs less as an unscale by 1 than as :func:`nonfinite`'s norms.
 
-    Only for CPU gradients of at most 8M elements in all, which a caller has written already (an
-    unscale): there the one launch of torch's AMP check costs less than :func:`nonfinite`'s
-    per-tensor norms, which the CPU computes one tensor at a time, while above that size its write
-    costs more than the norms' read. Multiplying by ``one`` (an fp32 ``1.0``) leaves every value as
-    it was, ``-0.0``, subnormals and NaN included. Returns whether it ran (``False``: elsewhere,
-    larger, or a gradient that cannot be written in place, such as an expanded view; the flag is
-    then set only where it found an inf/NaN already).
+    On a CPU, up to 8M elements in all: the CPU computes the per-tensor norms one tensor at a time,
+    while torch's AMP check is one launch; above that size its write costs more than the norms'
+    read. Only for gradients a caller has written already (an unscale): multiplying by 1 leaves
+    every value as it was, ``-0.0``, subnormals and NaN included, but it is a write.
 
     Example:
-        >>> grads, found_inf = [torch.tensor([-0.0, 2.0]), torch.tensor([float("nan")])], torch.zeros(())
-        >>> nonfinite_by_rewrite(grads, torch.ones(()), found_inf), found_inf.item(), grads[0].tolist()
-        (True, 1.0, [-0.0, 2.0])
+        >>> flag = torch.zeros(())
+        >>> rewrite_pays([torch.ones(3)], flag), rewrite_pays([torch.ones(1 << 24)], flag)
+        (True, False)
     """
-    if not (one.is_cpu and found_inf.is_cpu):
+    if not found_inf.is_cpu:
         return False
     elements = 0
     for grad in grads:
         if not grad.is_cpu:
             return False
         elements += grad.numel()
-    if elements > _REWRITE_MAX_ELEMENTS:
-        return False
-    if elements:
-        try:
-            with torch.no_grad():
-                torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, one)
-        except RuntimeError:  # a gradient that cannot be written (an expanded view): the norms read it
-            return False
-    return True
+    return elements <= _REWRITE_MAX_ELEMENTS
 
 
 def _flag(norm: Tensor) -> Tensor:

@@ -125,13 +125,12 @@ def checked_sync_enabled(mode: SyncMode, group: Any = None) -> bool:
     """
     if mode is False:
         return False
-    initialised = _initialised()
-    if mode is True and not initialised:
+    if mode is True and not _initialised():
         raise RuntimeError(
             "sync_found_inf=True but torch.distributed is not initialised. HINT: call "
             "torch.distributed.init_process_group() first, or use sync_found_inf='auto'."
         )
-    return initialised and dist.get_world_size(group) > 1
+    return world_size(group) > 1
 
 
 def all_reduce_found_inf(found_inf: Tensor, group: Any = None) -> Tensor:

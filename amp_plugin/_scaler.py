@@ -53,8 +53,6 @@ class Stage(enum.Enum):
     STEPPED = 2
 
 
-_HALF = frozenset({torch.float16, torch.bfloat16})
-
 StageName = Literal["ready", "unscaled", "stepped"]
 _STAGE_NAMES: dict[Stage, StageName] = {
     Stage.READY: "ready",
@@ -323,15 +321,13 @@ class LossScaler:
         )
 
     def _scale_tensor(self, loss: Tensor) -> Tensor:
-        scale = self._policy.scale
-        if scale is None:
-            scale = self._policy.ensure(loss.device)
+        scale = self._policy.ensure(loss.device)
         self._iteration.scaled = True
         if self.spike_guard is not None:
             self.spike_guard.observe(loss)
         if self._guard_only:  # a scale of 1 scales nothing: the loss keeps its dtype and values
             return _ScaledLoss.apply(loss) if loss.requires_grad else loss
-        if loss.dtype in _HALF:
+        if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
         factor = scale.to(device=loss.device, dtype=loss.dtype, non_blocking=True)
         if not loss.requires_grad:
@@ -814,19 +810,23 @@ class LossScaler:
 
         Where the spike guard wants this iteration's gradient norm, the same per-tensor norms give
         it (two launches more, no read of the gradients), divided by the factor ``carried``.
-        ``rewrite``: the gradients were written already (unscaled), and on a CPU they may be checked
-        by torch's AMP check, one launch that multiplies them by 1 (:func:`clipping.nonfinite_by_rewrite`).
+        ``rewrite``: the gradients were written already (unscaled), and where
+        :func:`clipping.rewrite_pays` they are checked by the backend's unscale with a factor of 1
+        (one launch that leaves every value as it was) instead.
         """
         scale = self._require_scale("the inf check")
         if self._one is None or self._one.device != scale.device:
             self._one = torch.ones((), dtype=torch.float32, device=scale.device)
         spike = self.spike_guard
         want = spike is not None and spike.wants_grad_norm
-        if rewrite and into is not None and not want and clipping.nonfinite_by_rewrite(
-            local_shards(grads), self._one, into
-        ):
-            return into
-        found_inf, norm = clipping.nonfinite_and_norm(local_shards(grads), self._one, want, into)
+        shards = local_shards(grads)
+        if rewrite and into is not None and not want and clipping.rewrite_pays(shards, into):
+            try:
+                self._backend().unscale_(shards, self._one, into)
+                return into
+            except RuntimeError:  # a gradient that cannot be written (an expanded view): the norms read it
+                pass
+        found_inf, norm = clipping.nonfinite_and_norm(shards, self._one, want, into)
         if spike is not None and norm is not None:
             spike.observe_grad_norm(norm if carried is None else norm / carried.to(norm))
         return found_inf

@@ -65,9 +65,8 @@ class TorchKernels:
     def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
         with torch.no_grad():
             for (device, dtype), group in group_by_device_and_dtype(tensors).items():
-                same = device == found_inf.device
-                factor = inv_scale if same and inv_scale.device == device else to_device(inv_scale, device)
-                flag = found_inf if same else _zero_flag(device)
+                factor = to_device(inv_scale, device)
+                flag = found_inf if device == found_inf.device else _zero_flag(device)
                 if (device.type, dtype) in self.unscale_op_lacks:
                     # Flag first: it is about the inputs, and a finite input can overflow when multiplied.
                     maxima = torch._foreach_norm(group, math.inf, dtype=torch.float32)

@@ -61,12 +61,8 @@ def _torch_part(state: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 # -- 1. inf/NaN injected into the gradients -----------------------------------------------
 
 
-@pytest.mark.parametrize("value", list(POISONS))
-@pytest.mark.parametrize("where", WHERE)
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-def test_injected_inf_nan_skips_and_backs_off_like_torch(
-    opt_name: str, where: str, value: str, device: str
-) -> None:
+def _injected_loop(opt_name: str, where: str, value: float, device: str) -> Callable[[Scaler, str], Trace]:
+    """STEPS iterations of one optimizer whose gradients get ``value`` at ``where`` in POISON_AT."""
     x = data(STEPS, device=device)
 
     def loop(scaler: Scaler, arm: str) -> Trace:
@@ -77,12 +73,22 @@ def test_injected_inf_nan_skips_and_backs_off_like_torch(
             opt.zero_grad(set_to_none=True)
             scaler.scale(_loss(model, x[i, 0])).backward()
             if i in POISON_AT:
-                poison(params, where, POISONS[value])
+                poison(params, where, value)
             skipped = step(scaler, opt)
             scaler.update()
             trace.close(scaler, [opt], [skipped])
         return trace
 
+    return loop
+
+
+@pytest.mark.parametrize("value", list(POISONS))
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_injected_inf_nan_skips_and_backs_off_like_torch(
+    opt_name: str, where: str, value: str, device: str
+) -> None:
+    loop = _injected_loop(opt_name, where, POISONS[value], device)
     theirs, _ = run_twins(loop, device, init_scale=2.0**6, growth_interval=2)
     assert [s for (s,) in theirs.skipped] == [i in POISON_AT for i in range(STEPS)]
     assert len(set(theirs.scales)) >= 3  # the scale both grew and backed off
@@ -91,22 +97,7 @@ def test_injected_inf_nan_skips_and_backs_off_like_torch(
 @pytest.mark.parametrize("opt_name", ["sgd-momentum", "adam", "adamw-fused"])
 def test_scales_that_are_no_power_of_two_unscale_like_torch(opt_name: str, device: str) -> None:
     """1 / scale rounds: LossScaler's fp32 reciprocal gives GradScaler's fp64-then-fp32 bits."""
-    x = data(STEPS, device=device)
-
-    def loop(scaler: Scaler, arm: str) -> Trace:
-        model = mlp(device=device)
-        opt = OPTIMIZERS[opt_name](model.parameters())
-        params, trace = list(model.parameters()), Trace()
-        for i in range(STEPS):
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(_loss(model, x[i, 0])).backward()
-            if i in POISON_AT:
-                poison(params, "middle", POISONS["+inf"])
-            skipped = step(scaler, opt)
-            scaler.update()
-            trace.close(scaler, [opt], [skipped])
-        return trace
-
+    loop = _injected_loop(opt_name, "middle", POISONS["+inf"], device)
     odd = {"init_scale": 3.0 * 2.0**10, "growth_factor": 1.7, "backoff_factor": 0.3}
     theirs, _ = run_twins(loop, device, growth_interval=2, **odd)
     assert len({s for s in theirs.scales if s != int(s) or bin(int(s)).count("1") > 1}) >= 3

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin import LossScaler
 from amp_plugin._scale_policy import ScaleFloorWarning
+from tests._ops import UNSCALE, AtenOps
 
 FLOOR = 2.0**-126
 
@@ -148,16 +148,6 @@ def test_recheck_catches_a_change_after_unscale() -> None:
     assert scaler.skipped_steps == 1
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("kind", ["fp16", "guard"])
 def test_the_recheck_launches_what_its_device_reads_fastest(device: str, kind: str) -> None:
     """CPU, gradients the scaler unscaled in place: torch's AMP check (one launch, values as they were).
@@ -169,12 +159,12 @@ def test_the_recheck_launches_what_its_device_reads_fastest(device: str, kind: s
     scaler.scale(model(torch.ones(3, 4, device=device)).square().mean()).backward()
     scaler.unscale_(opt)
     scaler.recheck_(opt)  # the first check makes the scaler's constant 1.0, once
-    with _Ops() as mode:
+    with AtenOps() as mode:
         scaler.recheck_(opt)
     if device == "cpu" and fp16:
-        assert mode.ops == Counter({"_amp_foreach_non_finite_check_and_unscale_": 1})
+        assert mode.counts == Counter({UNSCALE: 1})
     else:
-        assert mode.ops["_foreach_norm"] == 1 and "_foreach_mul_" not in mode.ops
+        assert mode.counts["_foreach_norm"] == 1 and "_foreach_mul_" not in mode.counts
 
 
 def test_recheck_of_finite_gradients_changes_nothing() -> None:
