@@ -102,14 +102,14 @@ def loss_of(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def train(dim: int, steps: int, spec: Float8 | None) -> list[float]:
+def train(dim: int, steps: int, spec: Float8 | None, batch: int) -> list[float]:
     torch.manual_seed(0)
     model = LM(dim, depth=2)
     if spec is not None:
         convert(model, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     losses = []
-    for tokens, targets in batches(steps, batch=8):
+    for tokens, targets in batches(steps, batch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = loss_of(model, tokens, targets)
         loss.backward()
@@ -119,20 +119,20 @@ def train(dim: int, steps: int, spec: Float8 | None) -> list[float]:
     return losses
 
 
-def error_rows(dim: int, steps: int) -> dict[str, Any]:
-    """Per-layer SQNR of a width-``dim`` transformer and the loss gap after ``steps`` steps."""
+def error_rows(dim: int, steps: int, batch: int = 8) -> dict[str, Any]:
+    """Per-layer SQNR of a width-``dim`` transformer and the loss gap after ``steps`` steps of ``batch``."""
     torch.manual_seed(0)
     model = LM(dim, depth=2)
-    tokens, _ = batches(1, batch=4)[0]
+    tokens, _ = batches(1, batch=max(1, batch // 2))[0]
     started = time.perf_counter()
     report = fp8_report(model, Float8(min_features=64), inputs=tokens)
     doctor_s = time.perf_counter() - started
-    bf16 = train(dim, steps, None)
+    bf16 = train(dim, steps, None, batch)
     tail = max(1, steps // 10)
     gaps = []
     for recipe in ("tensorwise", "rowwise"):
         try:
-            fp8 = train(dim, steps, Float8(recipe, min_features=64))
+            fp8 = train(dim, steps, Float8(recipe, min_features=64), batch)
         except RuntimeError as err:  # torch < 2.13's CPU _scaled_mm takes one scale per tensor
             if "per-tensor scaling" not in str(err):
                 raise
@@ -441,7 +441,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add(
         "--quick",
         action="store_true",
-        help="smoke run: error rows at width 64, 2 steps; speed rows tiny, 1 recipe",
+        help="smoke run: error rows at width 64, 2 steps of 2 sequences; speed rows tiny, 1 recipe",
     )
     add("--json", default=None, help="also write the results here")
     return parser.parse_args(argv)
@@ -462,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         quiet()
         if "error" in args.rows:
-            payload["cpu"] = error_rows(args.dim, args.steps)
+            payload["cpu"] = error_rows(args.dim, args.steps, batch=2 if args.quick else 8)
             print_error_rows(payload["cpu"])
         if "speed" in args.rows:
 

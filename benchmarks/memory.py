@@ -41,10 +41,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import resource
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in runs["fp32"].model.parameters())
     cases = [Case(config, runs[config].step) for config in CONFIGS]
     samples = measure(cases, device="cpu", warmup=1, repeats=repeats)
+    # One fresh process per configuration, as many at a time as there are cores (each peak is its own).
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        peaks = {c: pool.submit(peak_growth, c, args.quick, args.steps) for c in CONFIGS}
     rows, results = [], []
     for config in CONFIGS:
         ms = median_ms(samples[config])
@@ -257,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             "bytes_per_param": sum(counts["at_call"].values()),
             "in_step_bytes_per_param": sum(counts["in_step"].values()),
             "breakdown": counts,
-            **peak_growth(config, args.quick, args.steps),
+            **peaks[config].result(),
             "step_ms": ms,
             "steps_per_s": 1e3 / ms,
         }

@@ -45,8 +45,12 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def batches(count: int, batch: int = 8, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
-    """Token sequences from a fixed random bigram table: learnable, the same on every call."""
+def batches(count: int, batch: int = 2, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    """Token sequences from a fixed random bigram table: learnable, the same on every call.
+
+    Two sequences of 16 tokens a batch by default: CPUs without an fp8 matmul run torch's
+    ``_scaled_mm`` at a few MFLOP/s, so every token is a test's time.
+    """
     gen = torch.Generator().manual_seed(seed)
     table = torch.randint(0, VOCAB, (VOCAB,), generator=gen)
     out = []

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_benchmarks import BENCHMARKS, REPORT, _load_tables
+from tests.integration.test_benchmarks import BENCHMARKS, REPORT, _load_tables, smoke_run
 
 # Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
 pytestmark = pytest.mark.slow
@@ -324,17 +324,13 @@ def test_fp8_section_says_why_speed_was_skipped() -> None:
     assert "benchmarks-gpu.md" in tables[-1].note
 
 
-def test_fp8_speed_rows_put_raw_torchao_beside_the_plugin(tmp_path: Path) -> None:
-    """The speed rows' code path at smoke size (on the CPU here; at a small size on an fp8 GPU)."""
-    out = tmp_path / "fp8.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "fp8.py"), "--quick", "--rows", "speed", "--json", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    speed = json.loads(out.read_text())["speed"]
-    if "skipped" in speed:  # a CUDA GPU without fp8 (capability < 8.9) and no CPU smoke
-        pytest.skip(speed["skipped"])
+def test_fp8_speed_rows_put_raw_torchao_beside_the_plugin() -> None:
+    """The speed rows' code path at smoke size, on the CPU (the smoke run of test_benchmarks.py)."""
+    returncode, output, result = smoke_run("fp8.py")
+    assert returncode == 0, output[-3000:]
+    if "speed" not in result:  # no torchao: the smoke run says so and measures nothing
+        pytest.skip(result["skipped"])
+    speed = result["speed"]
     assert speed["smoke"] is True and speed["targets"] == []  # smoke sizes are held to no target
     rows = {r["case"]: r for r in speed["shapes"][0]["rows"]}
     unguarded = "AMPPrecision fp8 tensorwise, guard off"  # the conversion alone, beside torchao's
@@ -343,7 +339,7 @@ def test_fp8_speed_rows_put_raw_torchao_beside_the_plugin(tmp_path: Path) -> Non
     assert ours["vs_torchao"] == pytest.approx(theirs["ms"] / ours["ms"])
     assert rows[unguarded]["vs_torchao"] == pytest.approx(theirs["ms"] / rows[unguarded]["ms"])
     assert ours["vs_bf16"] == pytest.approx(rows["bf16"]["ms"] / ours["ms"])
-    assert "vs bf16" in proc.stdout and "vs torchao" in proc.stdout
+    assert "vs bf16" in output and "vs torchao" in output
 
 
 def test_a_benchmark_cut_off_by_its_timeout_keeps_what_it_wrote(

@@ -7,14 +7,17 @@ each script still runs against the current package and reports in its documented
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import itertools
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -62,22 +65,23 @@ def _cpu_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
+@functools.cache
+def smoke_run(script: str) -> tuple[int, str, dict[str, Any]]:
+    """``script``'s smoke run on the CPU, once per session: exit code, output, its JSON (``{}`` if none)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        proc = subprocess.run(
+            [sys.executable, str(BENCHMARKS / script), *SMOKE_ARGS[script], "--json", str(out)],
+            cwd=tmp, env=_cpu_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        return proc.returncode, proc.stdout + proc.stderr, json.loads(out.read_text()) if out.exists() else {}
+
+
 @pytest.mark.parametrize("script", sorted(SMOKE_ARGS))
-def test_benchmark_smoke_run(script: str, tmp_path: Path) -> None:
-    out = tmp_path / "result.json"
-    env = _cpu_env()
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *SMOKE_ARGS[script], "--json", str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{output[-3000:]}"
+def test_benchmark_smoke_run(script: str) -> None:
+    returncode, output, result = smoke_run(script)
+    assert returncode == 0, f"{script} exited {returncode}:\n{output[-3000:]}"
     assert any(set(line.strip()) <= {"-", " "} and "--" in line for line in output.splitlines()), output
-    result = json.loads(out.read_text())
     assert result["environment"]["torch"]
     assert Path(script).stem in str(result.get("benchmark", script))
 

@@ -68,8 +68,13 @@ def _summary_value(output: str, key: str) -> str:
     raise AssertionError(f"no {key!r} line in the summary:\n{summary}")
 
 
-def test_quickstart_auto_picks_bf16_on_cpu(tmp_path: Path) -> None:
-    out = _run("quickstart.py", "--accelerator", "cpu", cwd=tmp_path)
+def test_quickstart_auto_picks_bf16_on_cpu_pins_its_threads_and_compares_with_fp32(tmp_path: Path) -> None:
+    # Without OMP_NUM_THREADS torch would take one thread per core; the quickstart pins its own.
+    out = _run("quickstart.py", "--accelerator", "cpu", cwd=tmp_path, omp_threads=None)
+    assert _summary_value(out, "device").startswith("cpu (1 intra-op thread, 1 inter-op thread")
+    fp32 = _summary_value(out, "vs fp32")  # "AMPPrecision 0.62x fp32 (1130 against 1830 samples/s ...)"
+    assert fp32.startswith("bf16-mixed ") and "x fp32 (" in fp32
+    assert float(fp32.split()[1].rstrip("x")) > 0
     assert "AMPPrecision('auto') chose bf16-mixed" in out
     assert _summary_value(out, "precision").startswith("bf16-mixed  (auto: bf16: CPU autocast supports bf16)")
     assert _summary_value(out, "loss scaling").startswith("none needed for bf16")
@@ -148,15 +153,6 @@ def test_quickstart_keeps_lightnings_tensor_core_advice_out_of_its_console(
         lightning_cuda._check_cuda_matmul_precision.__wrapped__(torch.device("cuda"))
         logger.info("a message worth reading")
     assert [record.getMessage() for record in caplog.records] == ["a message worth reading"]
-
-
-def test_quickstart_pins_its_threads_and_compares_with_fp32(tmp_path: Path) -> None:
-    # Without OMP_NUM_THREADS torch would take one thread per core; the quickstart pins its own.
-    out = _run("quickstart.py", "--accelerator", "cpu", cwd=tmp_path, omp_threads=None)
-    assert _summary_value(out, "device").startswith("cpu (1 intra-op thread, 1 inter-op thread")
-    fp32 = _summary_value(out, "vs fp32")  # "AMPPrecision 0.62x fp32 (1130 against 1830 samples/s ...)"
-    assert fp32.startswith("bf16-mixed ") and "x fp32 (" in fp32
-    assert float(fp32.split()[1].rstrip("x")) > 0
 
 
 def test_quickstart_fp16_reports_the_scaler(tmp_path: Path) -> None:

@@ -102,8 +102,8 @@ def _fit(
 
 
 def test_fp8_fit_converts_reports_and_trains_like_bf16(caplog: pytest.LogCaptureFixture) -> None:
-    """24 steps of TinyLM: the mean loss of the last 10 is within 5% of bf16's (measured on CPU: bf16 0.4931,
-    fp8 tensorwise 0.4935, +0.08%)."""
+    """24 steps of TinyLM: the mean loss of the last 10 is within 5% of bf16's (measured on CPU: bf16 0.6150
+    from 4.51 at the start, fp8 tensorwise 0.6170, +0.33%)."""
     reference = _LM()
     _fit(reference, AMPPrecision("bf16-mixed"), steps=24)
     module, plugin = _LM(), AMPPrecision("bf16-mixed", fp8=SMALL)

@@ -251,7 +251,7 @@ def _train(
 def test_fp8_trains_within_tolerance_of_bf16(recipe: str) -> None:
     """After 24 AdamW steps on TinyLM (dim 64, 7 of 9 Linear layers in fp8) the mean loss of the last
     10 steps is within 5% of bf16's. Measured on CPU (torch 2.13, torchao 0.18, one thread): bf16
-    0.4931 (from 4.51 at the start), tensorwise +0.12%, rowwise +0.31%."""
+    0.6150 (from 4.51 at the start), tensorwise +0.33%, rowwise +0.35%."""
     data = batches(24)
     torch.manual_seed(0)
     reference = _train(TinyLM(), data)
