@@ -22,18 +22,21 @@ from __future__ import annotations
 import difflib
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal, TypedDict
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 from typing_extensions import Unpack
 
 from amp_plugin import fp8 as fp8_layers
 from amp_plugin import fp32_policy
 from amp_plugin import precision as precisions
 from amp_plugin._distributed import is_rank_zero
+from amp_plugin._fit_start import LBFGS_UNGUARDED, check_fit_start, is_lbfgs, module_device
 from amp_plugin._half_weights import HalfWeights
 from amp_plugin._scaler import LossScaler
 from amp_plugin._step import StepDriver
@@ -203,6 +206,10 @@ class AMPRun:
         self.fp8_report: Float8Report | None = None  # what convert() ran in fp8
         # Built once (it checks the functions and probes the autocast device types); entered per forward.
         self.fp32_mode = fp32_policy.Fp32Functions(self.fp32_functions) if self.fp32_functions else None
+        # fp32_modules' hooks, per model (a GAN has two), until teardown; weak: a model is not kept alive.
+        self._fp32_hooks: weakref.WeakKeyDictionary[nn.Module, fp32_policy.Fp32Modules] = (
+            weakref.WeakKeyDictionary()
+        )
         self.half: HalfWeights | None = (
             HalfWeights(self.master_weights, given["keep_fp32"], self.rounding, given["rounding_seed"])
             if self.master_weights or precision in ("16-true", "bf16-true")
@@ -219,6 +226,14 @@ class AMPRun:
 
     def __repr__(self) -> str:
         return f"AMPRun({self.requested!r}, device={self.device!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A spawn (Fabric's "ddp_spawn") pickles the run into every process; weak references do not
+        # pickle, so the hooked models go as strong ones (pickled alongside, shared, not copied twice).
+        return {**self.__dict__, "_fp32_hooks": list(self._fp32_hooks.items())}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _fp32_hooks=weakref.WeakKeyDictionary(state["_fp32_hooks"]))
 
     # -- the precision, resolved once --------------------------------------------------------------
 
@@ -331,6 +346,46 @@ class AMPRun:
             self.fp8_report = fp8_layers.convert(module, self.fp8, self.fp32_modules)
         return self.fp8_report if self.fp8 is not None else None
 
+    def attach(self, module: nn.Module | None, optimizers: Sequence[Optimizer]) -> None:
+        """At fit start: check the model and ``optimizers`` against the run; hand them to the half weights.
+
+        Refused (``ValueError``, nothing changed) is a set-up that would fail later (see
+        :func:`~amp_plugin._fit_start.check_fit_start`); one that would mislead is said as a warning,
+        as is LBFGS under the guard (it runs its closure itself, unchecked). ``module`` is the model the
+        optimizers step (``None``: not known, nothing to check against). Resolves the precision on
+        the module's device if it is not yet.
+
+        Example:
+            >>> run = AMPRun("16-mixed", "cpu")
+            >>> model = nn.Linear(2, 1)
+            >>> run.attach(model, [torch.optim.LBFGS(model.parameters())])
+            Traceback (most recent call last):
+            ...
+            ValueError: AMPPrecision('16-mixed') cannot drive LBFGS: ... HINT: use precision='bf16-mixed' ...
+        """
+        if module is not None:
+            device, dtype = self.settings(module_device(module))
+            scaling = self._scaler is not None
+            check_fit_start(module, optimizers, device, dtype, scaling, self.weights, self.say)
+        if self.half is not None:
+            self.half.attach(list(optimizers))
+        elif self._scaler is None and self.guard_on and any(map(is_lbfgs, optimizers)):
+            self.say(LBFGS_UNGUARDED, True)
+
+    def force_fp32(self, module: nn.Module) -> None:
+        """Run the ``fp32_modules`` classes inside ``module`` in fp32, autocast off (until teardown).
+
+        Example:
+            >>> run = AMPRun("bf16-mixed", "cpu", fp32_modules=[nn.Linear])
+            >>> model = nn.Sequential(nn.Linear(2, 2))
+            >>> run.force_fp32(model)
+            >>> with run.autocast():
+            ...     model(torch.ones(1, 2)).dtype
+            torch.float32
+        """
+        if self.fp32_modules and module not in self._fp32_hooks:
+            self._fp32_hooks[module] = fp32_policy.force_fp32(module, self.fp32_modules)
+
     def autocast(self) -> torch.autocast:
         """The autocast region of a forward pass (off under ``"32-true"``; the weight-cast cache off)."""
         device, dtype = self.device, self.dtype
@@ -360,11 +415,15 @@ class AMPRun:
         return _entered(autocast, default_dtype(half) if half is not None else None, functions)
 
     def teardown(self) -> None:
-        """End of a fit: settle what waits for a next step (a held scheduler's check); unhook half weights."""
+        """End of a fit: settle what waits for a next step (a held scheduler's check); unhook half weights
+        and the ``fp32_modules`` hooks."""
         if self.driver is not None:
             self.driver.settle()
         if self.half is not None:
             self.half.detach()
+        for hooks in self._fp32_hooks.values():
+            hooks.remove()
+        self._fp32_hooks.clear()
 
 
 def guard_of(

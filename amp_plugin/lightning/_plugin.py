@@ -1,11 +1,10 @@
-"""``AMPPrecision``: Lightning's precision hooks, delegated to amp_plugin's plain-torch pieces.
+"""``AMPPrecision``: Lightning's precision hooks, each handed to the run's plain-torch core.
 
-A thin adapter: autocast comes from :mod:`amp_plugin.autocast`, fp32 modules and functions from
-:mod:`amp_plugin.fp32_policy`, scaling and skipping from :class:`~amp_plugin.LossScaler`, clipping
-from :mod:`amp_plugin._clipping`. Its neighbours in :mod:`amp_plugin.lightning` hold the rest:
-argument and fit-start checks (``checks``), the checkpoint entry (``checkpoint``), the clipping
-hooks' checks, the skip-aware LR scheduler (``schedulers``), and every read of a
-Lightning internal (``_compat``).
+A thin adapter: :class:`~amp_plugin._run.AMPRun` checks the arguments, builds the scaler or the
+guard, owns the half weights and the fp32 policies, and checks the model and optimizers at fit
+start (:mod:`amp_plugin._fit_start`); its step driver orders each optimizer step. Its neighbours in
+:mod:`amp_plugin.lightning` hold the rest: what the Trainer's model reveals (``_checks``), the
+checkpoint entry (``_checkpoint``), and every read of a Lightning internal (``_compat``).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from amp_plugin import fp32_policy
+from amp_plugin._fit_start import is_lbfgs, module_device
 from amp_plugin._run import AMPRun, RunOptions
 from amp_plugin._scaler import LossScaler
 from amp_plugin._schedulers import SkipAwareScheduler
@@ -83,7 +82,6 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
     ) -> None:
         self._run = AMPRun(precision, device, scaler, say=_say, **options)
         self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
-        self._fp32_hooks: fp32_policy.Fp32Modules | None = None
         self._fast_clip = self._run.clip_fused is True
         self._want_grad_norm = self._clip_checked = self._no_clip = False
 
@@ -121,7 +119,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         if _compat.called_by_fabric():  # Fabric's setup: the wrong one of the two AMPPrecision classes
             raise TypeError(_IN_FABRIC.format(self=self))
         trainer = _compat.attached_trainer(module) if isinstance(module, LightningModule) else None
-        device = trainer.strategy.root_device if trainer is not None else checks.module_device(module)
+        device = trainer.strategy.root_device if trainer is not None else module_device(module)
         self._run.convert(module, device)
         return module
 
@@ -137,31 +135,18 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         run = self._run
-        device, dtype = run.settings(checks.module_device(model))
         module = checks.lightning_module(model)  # strategies hand over their wrapper (DDP, ...)
-        checks.check_fit_start(
-            module,
-            optimizers,
-            device,
-            dtype,
-            grad_scaling=self.scaler is not None,
-            weights=run.weights,
-        )
+        run.attach(module, optimizers)
         if run.half is not None:
-            run.half.attach(optimizers)
             accumulate, ddp = self._accumulates_in_fp32(model, module)
             try:
                 run.half.accumulate_in_fp32(accumulate, ddp)
             except RuntimeError:  # DDP takes one comm hook, and this model has one (ddp_comm_hook=)
                 strategy = f"{type(model).__name__} with a comm hook"
                 rank_zero_warn(_NO_FP32_ACCUMULATION.format(strategy=strategy))
-        lbfgs = any(map(checks.is_lbfgs, optimizers))
-        if lbfgs and self.scaler is None and run.half is None and run.guard_on:
-            rank_zero_warn(checks.LBFGS_UNGUARDED)
         if self.fp8_report is not None:
             rank_zero_info(f"AMPPrecision: {self.fp8_report}")
-        if self._fp32_hooks is None and self.fp32_modules:
-            self._fp32_hooks = fp32_policy.force_fp32(module, self.fp32_modules)
+        run.force_fp32(module)
         if isinstance(module, LightningModule) and (trainer := _compat.attached_trainer(module)) is not None:
             self._fast_clip = self.clip_fused is True or (
                 self.clip_fused == "auto" and not checks.hooks_observe_gradients(module, trainer)
@@ -196,9 +181,6 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
     @override
     def teardown(self) -> None:
         self._run.teardown()
-        if self._fp32_hooks is not None:
-            self._fp32_hooks.remove()
-            self._fp32_hooks = None
 
     # -- autocast -------------------------------------------------------------------------------
 
@@ -264,7 +246,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         driver, half = self._run.require_driver(), self._run.half
-        if self.scaler is None and half is None and checks.is_lbfgs(optimizer):
+        if self.scaler is None and half is None and is_lbfgs(optimizer):
             # LBFGS runs its closure itself, several times per step (Lightning's Precision path).
             return super(MixedPrecision, self).optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()  # the half gradients must exist before the masters take them

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
@@ -31,14 +30,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from amp_plugin import fp32_policy
+from amp_plugin._fit_start import LBFGS_REFUSAL, is_lbfgs
 from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._run import AMPRun, RunOptions
 from amp_plugin._scaler import LossScaler
 from amp_plugin._schedulers import SkipAwareScheduler
 from amp_plugin._validation import fail
 from amp_plugin.lightning import _checkpoint as checkpoints
-from amp_plugin.lightning import _checks as checks
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning._monitor_values import amp_metrics
 from amp_plugin.lightning._opt_levels import opt_level_arguments
@@ -108,10 +106,6 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         device = fallback if device is None else device
         self._run = AMPRun(precision, device, scaler, say=_say, **options)
         _compat.set_fabric_input_dtype(self, self._run.settings(device)[1])  # ThroughputMonitor reads it
-        # Per model set up (a GAN sets up two), removed at teardown.
-        self._fp32_hooks: weakref.WeakKeyDictionary[nn.Module, fp32_policy.Fp32Modules] = (
-            weakref.WeakKeyDictionary()
-        )
         self._module: weakref.ref[nn.Module] | None = None  # the model convert_module was handed
         self._models: list[weakref.ref[nn.Module]] = []  # every model set up (a GAN has two)
         self._attached: set[int] = set()  # id() of the optimizers checked and handed to the half weights
@@ -141,16 +135,14 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         # pickle: the models set up go as strong ones (a spawn pickles them alongside, so they are
         # shared, not copied twice), and ids of optimizers mean nothing in another process.
         state = dict(self.__dict__)
-        state["_fp32_hooks"] = list(self._fp32_hooks.items())
         state["_module"] = None if self._module is None else self._module()
         state["_models"] = [m for ref in self._models if (m := ref()) is not None]
         state["_attached"] = set()  # a copy re-attaches each optimizer at its first step
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        hooks, module, models = state.pop("_fp32_hooks"), state.pop("_module"), state.pop("_models")
+        module, models = state.pop("_module"), state.pop("_models")
         self.__dict__.update(state)
-        self._fp32_hooks = weakref.WeakKeyDictionary(hooks)
         self._module = None if module is None else weakref.ref(module)
         self._models = [weakref.ref(m) for m in models]
 
@@ -221,8 +213,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
                 (before[n], p) for n, p in module.named_parameters() if n in before and before[n] is not p
             )
             rank_zero_info(f"AMPPrecision (Fabric): {report}")
-        if self.fp32_modules and module not in self._fp32_hooks:
-            self._fp32_hooks[module] = fp32_policy.force_fp32(module, self.fp32_modules)
+        self._run.force_fp32(module)
         return module
 
     def _refuse_second_model(self, module: nn.Module) -> None:
@@ -268,10 +259,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
                 continue
             _repoint(opt, self._replaced)
             module = self._model_of(opt)
-            if module is not None:
-                scaling = self.scaler is not None
-                checks.check_fit_start(module, [opt], self.device, self.dtype, scaling, self._run.weights)
-            elif self._run.half is not None:
+            if module is None and self._run.half is not None:
                 fail(
                     "AMPPrecision.attach",
                     passed=f"optimizer={type(opt).__name__} before the model was set up",
@@ -282,9 +270,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
                 )
             if self._run.half is not None:
                 self._refuse_early_state(opt)
-                self._run.half.attach([opt])
-            elif self.scaler is None and self.guard is not None and checks.is_lbfgs(opt):
-                rank_zero_warn(checks.LBFGS_UNGUARDED)
+            self._run.attach(module, [opt])
             self._attached.add(id(opt))
 
     def _model_of(self, opt: Optimizer) -> nn.Module | None:
@@ -334,9 +320,9 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
         Every precision is checked (see :attr:`guard`); the scale is updated after the step.
         """
-        if checks.is_lbfgs(optimizer):
+        if is_lbfgs(optimizer):
             if self.scaler is not None:
-                raise TypeError(checks.LBFGS_REFUSAL)
+                raise TypeError(LBFGS_REFUSAL)
             if self._run.half is None:  # LBFGS runs its closure itself, several times per step
                 self.attach(optimizer)
                 return optimizer.step(**kwargs)
@@ -455,9 +441,6 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
     def teardown(self) -> None:
         self._attached.clear()
         self._run.teardown()
-        for hooks in self._fp32_hooks.values():
-            hooks.remove()
-        self._fp32_hooks.clear()
 
 
 _TRAINER_ONLY = {  # options that ask for something only the Trainer can do
@@ -481,14 +464,6 @@ def _repoint(opt: Optimizer, replaced: dict[Tensor, Tensor]) -> None:
         group["params"] = [replaced.get(p, p) for p in group["params"]]
     for old in [p for p in opt.state if p in replaced]:
         opt.state[replaced[old]] = opt.state.pop(old)
-
-
-@contextmanager
-def _both(
-    first: AbstractContextManager[Any], second: AbstractContextManager[Any]
-) -> Generator[None, None, None]:
-    with first, second:
-        yield
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
