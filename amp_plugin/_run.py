@@ -48,7 +48,7 @@ from amp_plugin.precision import Precision, check_precision, default_dtype, true
 from amp_plugin.rounded_updates import ROUNDINGS
 from amp_plugin.spike import SpikeGuard, check_spike_guard
 
-__all__ = ["AMPRun", "RunOptions", "assigned_scaler", "guard_of"]
+__all__ = ["AMPRun", "RunOptions", "assigned_scaler", "guard_of", "load_scaler_state"]
 
 Say = Callable[[str, bool], None]
 """Says a message on rank zero: ``say(message, warn)``, a warning if ``warn``, else information."""
@@ -414,6 +414,54 @@ class AMPRun:
             return autocast
         return _entered(autocast, default_dtype(half) if half is not None else None, functions)
 
+    # -- the run's state in a checkpoint -----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (what a ``GradScaler`` saves, and ours) or the guard's, and the rounding's.
+
+        A flat dict: the fp16 scaler's keys, or ``"guard"`` (the bf16/fp32 guard's skip counts);
+        ``"rounding"`` (the stochastic rounding's generators) with a "-true" rounding. The fp32
+        masters are not here: they are the model's own ``state_dict()``.
+
+        Example:
+            >>> AMPRun("16-mixed", "cpu").state_dict()["scale"]
+            65536.0
+            >>> AMPRun("bf16-mixed", "cpu").state_dict()["guard"]["skipped_steps"]
+            0
+        """
+        scaler, guard = self._scaler, self.guard
+        state = {} if scaler is None else scaler.state_dict()
+        if scaler is None and guard is not None:  # the guard's skip counts resume too
+            state["guard"] = guard.state_dict()
+        if self.half is not None:
+            self.half.on_save({}, state)  # the rounding generators
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s result, or a ``GradScaler``'s state; everything is checked first.
+
+        Refused (``ValueError``/``TypeError``, nothing changed): a part that would not load. A state
+        from another precision is said (``say``): a scale in a run without a scaler is ignored, and
+        an fp16 run loading a state without one starts its scale afresh.
+        """
+        scaler, guard, half = self._scaler, self.guard, self.half
+        scaler_state = {k: v for k, v in state.items() if k not in ("guard", "rounding")}
+        guard_state = state.get("guard") if scaler is None else None
+        guard_state = guard_state if isinstance(guard_state, dict) and guard_state and guard else None
+        if scaler is not None and scaler_state:
+            scaler.check_state_dict(scaler_state)
+        if guard is not None and guard_state is not None:
+            guard.check_state_dict(guard_state)
+        if half is not None:
+            half.check({}, state)
+        note = load_scaler_state(scaler, scaler_state)
+        if note is not None:
+            self.say(note, True)
+        if guard is not None and guard_state is not None:
+            guard.load_state_dict(guard_state)
+        if half is not None:
+            half.on_load({}, state)
+
     def teardown(self) -> None:
         """End of a fit: settle what waits for a next step (a held scheduler's check); unhook half weights
         and the ``fp32_modules`` hooks."""
@@ -443,6 +491,28 @@ def guard_of(
     if scaler is not None and spike_guard is not None:
         scaler.spike_guard = spike_guard
     return scaler
+
+
+def load_scaler_state(scaler: LossScaler | None, state: dict[str, Any]) -> str | None:
+    """Load a scaler ``state`` (a ``LossScaler``'s or a ``torch.amp.GradScaler``'s) into ``scaler``.
+
+    Where only one side has a state (a bf16 run has no scaler, a bf16 checkpoint no scale), nothing
+    loads and the note to warn with is returned; else ``None``.
+
+    Example:
+        >>> scaler = LossScaler("cpu")
+        >>> load_scaler_state(scaler, LossScaler("cpu", init_scale=8.0).state_dict()), scaler.get_scale()
+        (None, 8.0)
+        >>> load_scaler_state(scaler, {})
+        'The checkpoint holds no loss-scaler state (a bf16 run?); the scale starts afresh.'
+    """
+    if scaler is not None and state:
+        scaler.load_state_dict(state)
+    elif scaler is not None:
+        return "The checkpoint holds no loss-scaler state (a bf16 run?); the scale starts afresh."
+    elif state:
+        return "The checkpoint holds a loss-scaler state, but this bf16 run has no scaler: ignored."
+    return None
 
 
 @contextmanager

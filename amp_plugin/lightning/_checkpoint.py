@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from amp_plugin import _run as run_state
 from amp_plugin._scaler import LossScaler
 
 if TYPE_CHECKING:
@@ -118,17 +119,9 @@ def load_scaler_state(scaler: LossScaler | None, state_dict: dict[str, Any]) -> 
         >>> scaler.get_scale()
         8.0
     """
-    if scaler is not None and state_dict:
-        scaler.load_state_dict(state_dict)
-    elif scaler is not None:  # stacklevel=5: the warning names the caller's line, not this helper's
-        rank_zero_warn(
-            "The checkpoint holds no loss-scaler state (a bf16 run?); the scale starts afresh.", stacklevel=5
-        )
-    elif state_dict:
-        rank_zero_warn(
-            "The checkpoint holds a loss-scaler state, but this bf16 run has no scaler: ignored.",
-            stacklevel=5,
-        )
+    note = run_state.load_scaler_state(scaler, state_dict)
+    if note is not None:  # stacklevel=5: the warning names the caller's line, not this helper's
+        rank_zero_warn(note, stacklevel=5)
 
 
 def save_entry(

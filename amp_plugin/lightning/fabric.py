@@ -36,7 +36,6 @@ from amp_plugin._run import AMPRun, RunOptions
 from amp_plugin._scaler import LossScaler
 from amp_plugin._schedulers import SkipAwareScheduler
 from amp_plugin._validation import fail
-from amp_plugin.lightning import _checkpoint as checkpoints
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning._monitor_values import amp_metrics
 from amp_plugin.lightning._opt_levels import opt_level_arguments
@@ -405,13 +404,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             >>> sorted(AMPPrecision("bf16-true", rounding="stochastic", device="cpu").state_dict())
             ['guard']
         """
-        state = {} if self.scaler is None else self.scaler.state_dict()
-        guard = self.guard
-        if self.scaler is None and guard is not None:  # the guard's skip counts resume too
-            state["guard"] = guard.state_dict()
-        if self._run.half is not None:
-            self._run.half.on_save({}, state)  # the rounding generators (the masters are in the model's)
-        return state
+        return self._run.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -421,21 +414,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         in the Trainer: an fp16 scale in a run without a scaler is ignored, and an fp16 run resumed
         from a state without one starts its scale afresh.
         """
-        scaler, half = self._run.scaler, self._run.half
-        scaler_state = {k: v for k, v in state_dict.items() if k not in ("guard", "rounding")}
-        guard_state = state_dict.get("guard") if scaler is None else None
-        if scaler is not None and scaler_state:
-            scaler.check_state_dict(scaler_state)
-        if isinstance(guard_state, dict) and guard_state and self.guard is not None:
-            self.guard.check_state_dict(guard_state)
-        if half is not None:
-            half.check({}, state_dict)
-        if scaler is not None or scaler_state:  # a precision switch warns, as in the Trainer
-            checkpoints.load_scaler_state(scaler, scaler_state)
-        if isinstance(guard_state, dict) and guard_state and self.guard is not None:
-            self.guard.load_state_dict(guard_state)
-        if half is not None:
-            half.on_load({}, state_dict)
+        self._run.load_state_dict(state_dict)
 
     @override
     def teardown(self) -> None:

@@ -113,3 +113,29 @@ def test_the_run_converts_a_model_for_master_weights() -> None:
     assert run.convert(model, "cpu") is None  # no fp8 report without fp8
     assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
     assert run.masters is not None and run.masters.master_of(model[0].weight) is not None
+
+
+def test_the_runs_state_round_trips_and_a_bad_one_changes_nothing() -> None:
+    """The core owns the state an adapter saves (Fabric's plugin hands it over as its state_dict)."""
+    run = AMPRun("bf16-true", "cpu", rounding="stochastic")
+    model = nn.Linear(2, 2)
+    run.convert(model, "cpu")
+    run.attach(model, [torch.optim.SGD(model.parameters(), lr=0.1)])
+    state = run.state_dict()
+    assert sorted(state) == ["guard", "rounding"]
+    fresh = AMPRun("bf16-true", "cpu", rounding="stochastic")
+    fresh.convert(nn.Linear(2, 2), "cpu")
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match=r"not a loss scaler's state.*HINT"):
+        fresh.load_state_dict({**state, "guard": {"scale": "not a number"}})
+    assert fresh.state_dict().keys() == before.keys() and str(fresh.state_dict()) == str(before)
+    fresh.load_state_dict(state)
+    assert str(fresh.state_dict()) == str(state)
+
+
+def test_a_scale_in_a_run_without_a_scaler_is_said_and_ignored() -> None:
+    said: list[str] = []
+    run = AMPRun("bf16-mixed", "cpu", say=lambda message, warn: said.append(message))
+    run.load_state_dict(LossScaler("cpu", init_scale=8.0).state_dict())
+    assert said == ["The checkpoint holds a loss-scaler state, but this bf16 run has no scaler: ignored."]
+    assert run.guard is not None and run.guard.get_scale() == 1.0
