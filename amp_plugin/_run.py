@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from amp_plugin import precision as precisions
 from amp_plugin._distributed import is_rank_zero
 from amp_plugin._fit_start import LBFGS_UNGUARDED, check_fit_start, is_lbfgs, module_device
 from amp_plugin._half_weights import HalfWeights
+from amp_plugin._metrics import amp_metrics
 from amp_plugin._scaler import LossScaler
 from amp_plugin._step import StepDriver
 from amp_plugin._validation import check_bool, check_choice, check_int, fail
@@ -413,6 +415,25 @@ class AMPRun:
         if half is None and functions is None:
             return autocast
         return _entered(autocast, default_dtype(half) if half is not None else None, functions)
+
+    def metrics(self, grad_norm: float = math.nan) -> dict[str, float]:
+        """The ``amp/*`` values of the run so far (:func:`~amp_plugin._metrics.amp_metrics`), as floats.
+
+        The skip rate is over every step of the run; ``grad_norm`` (``nan``: not known) is the
+        unscaled norm a clip returned. Reads the scale and the skip count from the device.
+
+        Example:
+            >>> AMPRun("16-mixed", "cpu").metrics(0.5)
+            {'amp/scale': 65536.0, 'amp/skipped_steps': 0.0, 'amp/skip_rate': 0.0, 'amp/grad_norm': 0.5}
+            >>> AMPRun("bf16-mixed", "cpu", guard=False).metrics()
+            {}
+        """
+        guard, scaler = self.guard, self._scaler
+        if guard is None:
+            return {} if math.isnan(grad_norm) else {"amp/grad_norm": grad_norm}
+        skipped, total = guard.skipped_steps, guard.total_steps
+        scale = math.nan if scaler is None else scaler.get_scale()
+        return amp_metrics(scaler, scale, skipped, skipped / total if total else 0.0, grad_norm)
 
     # -- the run's state in a checkpoint -----------------------------------------------------------
 

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "core",
         _in_package(
-            "_optim _fit_start _scaler _scaler_rules _iteration _scale_policy _clipping _sharding "
+            "_optim _fit_start _metrics _scaler _scaler_rules _iteration _scale_policy _clipping _sharding "
             "_distributed consistency precision autocast fp32_policy numerics master_weights rounded_updates "
             "_half_weights _schedulers grad_accumulation fp8 spike diagnostics diagnostics.*"
         ),

@@ -29,6 +29,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from amp_plugin import diagnostics
+from amp_plugin._metrics import amp_metrics
 from amp_plugin._scaler import LossScaler
 from amp_plugin._step import read_flags
 from amp_plugin.diagnostics._health import (
@@ -41,7 +42,7 @@ from amp_plugin.diagnostics._health import (
 from amp_plugin.diagnostics._health_plot import plot_history
 from amp_plugin.diagnostics._health_state import HealthState, ScaleRecord, check_monitor_state
 from amp_plugin.lightning import _compat
-from amp_plugin.lightning._monitor_values import amp_metrics, publish
+from amp_plugin.lightning._monitor_values import publish
 from amp_plugin.lightning._plugin import AMPPrecision
 
 __all__ = ["LossScaleMonitor"]

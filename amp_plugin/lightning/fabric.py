@@ -37,7 +37,6 @@ from amp_plugin._scaler import LossScaler
 from amp_plugin._schedulers import SkipAwareScheduler
 from amp_plugin._validation import fail
 from amp_plugin.lightning import _compat
-from amp_plugin.lightning._monitor_values import amp_metrics
 from amp_plugin.lightning._opt_levels import opt_level_arguments
 from amp_plugin.lightning._run_view import RunView
 from amp_plugin.precision import Precision as PrecisionName
@@ -386,13 +385,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
                 hint="pass what fabric.clip_gradients returned (or nothing).",
                 error=TypeError,
             )
-        norm = math.nan if grad_norm is None else float(grad_norm)
-        guard = self.guard
-        if guard is None:
-            return {} if math.isnan(norm) else {"amp/grad_norm": norm}
-        skipped, total, scaler = guard.skipped_steps, guard.total_steps, self._run.scaler
-        scale = math.nan if scaler is None else scaler.get_scale()
-        return amp_metrics(scaler, scale, skipped, skipped / total if total else 0.0, norm, None)
+        return self._run.metrics(math.nan if grad_norm is None else float(grad_norm))
 
     # -- checkpoints -------------------------------------------------------------------------------
 

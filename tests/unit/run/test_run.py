@@ -139,3 +139,20 @@ def test_a_scale_in_a_run_without_a_scaler_is_said_and_ignored() -> None:
     run.load_state_dict(LossScaler("cpu", init_scale=8.0).state_dict())
     assert said == ["The checkpoint holds a loss-scaler state, but this bf16 run has no scaler: ignored."]
     assert run.guard is not None and run.guard.get_scale() == 1.0
+
+
+def test_the_runs_metrics_count_a_skip_as_both_plugins_report_it() -> None:
+    """The core builds the amp/* values; Fabric's ``metrics()`` hands them over."""
+    run = AMPRun("16-mixed", "cpu", scaler=LossScaler("cpu", init_scale=4.0))
+    param = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    guard = run.require_driver().scaler
+    assert guard is not None
+    for value in (float("inf"), 1.0):
+        guard.scale((param * value).sum()).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+    metrics = run.metrics(3.0)
+    assert metrics == {"amp/scale": 2.0, "amp/skipped_steps": 1.0, "amp/skip_rate": 0.5, "amp/grad_norm": 3.0}
+    assert FabricAMPPrecision("16-mixed", device="cpu").metrics(grad_norm=3.0)["amp/grad_norm"] == 3.0
