@@ -370,7 +370,7 @@ class AMPRun:
             scaling = self._scaler is not None
             check_fit_start(module, optimizers, device, dtype, scaling, self.weights, self.say)
         if self.half is not None:
-            self.half.attach(list(optimizers))
+            self.half.attach(optimizers)
         elif self._scaler is None and self.guard_on and any(map(is_lbfgs, optimizers)):
             self.say(LBFGS_UNGUARDED, True)
 
@@ -467,8 +467,9 @@ class AMPRun:
         """
         scaler, guard, half = self._scaler, self.guard, self.half
         scaler_state = {k: v for k, v in state.items() if k not in ("guard", "rounding")}
-        guard_state = state.get("guard") if scaler is None else None
-        guard_state = guard_state if isinstance(guard_state, dict) and guard_state and guard else None
+        # A bf16/fp32 guard's state; with a loss scaler, the scaler is the guard and its state the top level.
+        guard_state = state.get("guard") if scaler is None and guard is not None else None
+        guard_state = guard_state if isinstance(guard_state, dict) and guard_state else None
         if scaler is not None and scaler_state:
             scaler.check_state_dict(scaler_state)
         if guard is not None and guard_state is not None:
