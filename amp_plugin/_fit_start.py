@@ -132,6 +132,8 @@ def check_fit_start(
 def _check_masters(model: nn.Module, optimizers: Sequence[Optimizer]) -> None:
     masters = master_weights.masters_of(model)
     names = {id(p): n for n, p in model.named_parameters()}
+    # A remainder master is bf16 while it carries the model's bf16 gradient to the step.
+    own = set() if masters is None else {id(m) for m in masters.masters()}
     for i, optimizer in enumerate(optimizers):
         opt = unwrap_optimizer(optimizer)
         bare = [
@@ -141,6 +143,7 @@ def _check_masters(model: nn.Module, optimizers: Sequence[Optimizer]) -> None:
             if p.requires_grad
             and p.dtype in (torch.float16, torch.bfloat16)
             and (masters is None or masters.master_of(p) is None)
+            and id(p) not in own
         ]
         if bare:
             raise ValueError(

@@ -139,6 +139,8 @@ class HalfWeights:
         """Hand ``optimizer``'s parameters their fp32 gradient sums (no-op unless accumulating)."""
         if self._accumulation is None or not self._accumulation.pending():
             return
+        if self.masters is not None and self.masters.remainder:  # the sums go to fp32 masters
+            self.masters.fp32_grads(optimizer)
         stepped = {id(p) for group in unwrap_optimizer(optimizer).param_groups for p in group["params"]}
         self._accumulation.flush_([pair for pair in self._flush_pairs if id(pair[1]) in stepped])
 
@@ -147,6 +149,16 @@ class HalfWeights:
         self.flush_gradients(optimizer)
         if self.master_weights and self.masters is not None:
             self.masters.grads_to_master(optimizer)
+
+    def grads_in_fp32(self, optimizer: Any) -> None:
+        """Make ``optimizer``'s gradients fp32 now, before something reads their values.
+
+        Remainder masters keep the model's bf16 gradients until the step's pre-hook copies them
+        into fp32 (so none is held as ``step()`` is called); a clip, a norm or a gradient hook
+        calls this first and sees O2's fp32 gradients. A no-op otherwise.
+        """
+        if self.masters is not None and self.masters.remainder:
+            self.masters.fp32_grads(optimizer)
 
     def detach(self) -> None:
         """Undo :meth:`attach` (the model stays in half precision, its masters with it).

@@ -253,8 +253,12 @@ class AMPRun:
             self._scaler = LossScaler(kernels=self.kernels)
         guard = guard_of(self._scaler, self.guard_on, self.kernels, self.spike_guard)
         if self.driver is None or self.driver.scaler is not guard:
+            half = self.half
             self.driver = StepDriver(
-                guard, None if self.half is None else self.half.before_step, self.kernels
+                guard,
+                None if half is None else half.before_step,
+                self.kernels,
+                None if half is None else half.grads_in_fp32,
             )
         self.device, self.dtype = device_type, dtype
         return device_type, dtype

@@ -52,6 +52,9 @@ class StepDriver:
         before_step: called with the real optimizer before anything reads its gradients
             (e.g. moving half gradients into fp32 master weights).
         kernels: the kernel backend of the clips and norms when no scaler runs.
+        before_read: called with the real optimizer before a clip, a norm or the hooks read the
+            gradients' values (remainder masters make their fp32 gradients there; the inf check
+            before the step needs no such call).
 
     Example:
         >>> import torch
@@ -72,10 +75,12 @@ class StepDriver:
         scaler: LossScaler | None,
         before_step: Callable[[Any], None] | None = None,
         kernels: Backend = "auto",
+        before_read: Callable[[Any], None] | None = None,
     ) -> None:
         self.scaler = scaler
         self.before_step = before_step
         self.kernels = kernels
+        self.before_read = before_read
         self._skips: dict[int, Skip] = {}  # id(real optimizer) -> whether its latest step was skipped
         self._last: Skip | None = None  # the latest step's flag, until the batch's scale update
         self._stepped_since_backward: set[int] = set()  # optimizers that may not step again yet
@@ -105,6 +110,7 @@ class StepDriver:
         *,
         observe_unscaled: bool = True,
         update: bool = True,
+        hooks_read: bool = True,
         **kwargs: Any,
     ) -> Any:
         """Step ``optimizer`` unless its gradients (or the loss) are inf/NaN; return the step's result.
@@ -118,12 +124,16 @@ class StepDriver:
                 and check again after them; ``False`` is the fast clipping path.
             update: update the scale now (automatic optimization); ``False`` waits for
                 :meth:`end_batch` (manual optimization, several optimizers per batch).
+            hooks_read: ``run_hooks`` may read gradient values (a user's hook); ``False`` where
+                only this driver's clips do, which ask :attr:`before_read` themselves.
             kwargs: passed on to ``optimizer.step``.
         """
         opt = unwrap_optimizer(optimizer)
         self.settle()
         if self.before_step is not None:
             self.before_step(opt)
+        if hooks_read:
+            self._read(opt)
         scaler = self.scaler
         if scaler is None:
             run_hooks()
@@ -154,6 +164,7 @@ class StepDriver:
     def clip_grad_norm_(self, optimizer: Any, max_norm: float) -> Tensor:
         """Clip by the unscaled total norm (through the scaler: no extra pass for its check); return it."""
         opt = unwrap_optimizer(optimizer)
+        self._read(opt)
         if self.scaler is not None:
             return self.scaler.clip_grad_norm_(opt, max_norm)
         grads = clipping.gradients(opt.param_groups)
@@ -161,6 +172,7 @@ class StepDriver:
 
     def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
         """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
+        self._read(unwrap_optimizer(optimizer))
         if self.scaler is not None:
             self.scaler.clip_grad_value_(optimizer, clip_value)
             return
@@ -169,10 +181,15 @@ class StepDriver:
 
     def grad_norm(self, optimizer: Any) -> Tensor:
         """The total norm of the unscaled gradients, leaving them as they are (one read)."""
+        self._read(unwrap_optimizer(optimizer))
         if self.scaler is not None:
             return self.scaler.grad_norm(optimizer)
         grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
         return self._kernels_for(grads).norm(grads)
+
+    def _read(self, opt: Any) -> None:
+        if self.before_read is not None:
+            self.before_read(opt)
 
     def _kernels_for(self, grads: list[Tensor]) -> ShardAwareKernels:
         return ShardAwareKernels(get_kernels(self.kernels, grads[0].device if grads else None))

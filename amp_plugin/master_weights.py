@@ -26,7 +26,11 @@ rounded to the nearest bf16 with ties away from zero (round-to-nearest-even woul
 65537 fp32 values round to an even bf16). The master parameters the optimizer steps keep their
 identity (optimizer state stays keyed by them) but hold their fp32 values only during
 ``optimizer.step()``: a step pre-hook rebuilds them from ``(b, r)`` and releases ``r``, the
-post-hook splits them back and releases them. Plain torch: nothing here imports Lightning.
+post-hook splits them back and releases them. Their gradients wait for the step in bf16 too:
+:meth:`~MasterWeights.grads_to_master` hands each master the model's bf16 gradient as it is (the
+master reads as a bf16 NaN meanwhile), and the pre-hook copies it into fp32; whatever reads
+gradient values before the step calls :meth:`~MasterWeights.fp32_grads` first. Plain torch:
+nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -161,8 +165,8 @@ class MasterWeights:
         names: for each master, every name its half parameter has in ``model.state_dict()``
             (tied weights have several).
         remainder: the masters are held as int16 remainders beside the bf16 parameters and
-            hold their fp32 values only during ``optimizer.step()`` (read them with
-            :meth:`values`); ``False``: they are ordinary fp32 tensors.
+            hold their fp32 values (and fp32 gradients) only from ``optimizer.step()`` on (read
+            the values with :meth:`values`); ``False``: they are ordinary fp32 tensors.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
@@ -194,7 +198,7 @@ class MasterWeights:
             self._rest = {id(master): r for (_, master), r in zip(self._pairs, remainders, strict=True)}
         self._attached: dict[int, tuple[Optimizer, list[RemovableHandle], Any]] = {}
         self._module_hooks: list[RemovableHandle] = []
-        self._nans: dict[torch.device, Tensor] = {}  # the packed masters' shared stand-in per device
+        self._nans: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # the packed masters' stand-ins
 
     def __getstate__(self) -> dict[str, Any]:
         # A deep copy or pickle of the model copies its masters through the state_dict hooks; the
@@ -228,7 +232,8 @@ class MasterWeights:
         """The fp32 master parameters, in the model's parameter order.
 
         With remainders their values exist only during ``optimizer.step()`` (outside it they read
-        as NaN and cannot be written); :meth:`values` gives the values at any time.
+        as NaN, bf16 while they carry a bf16 gradient to the step, and cannot be written);
+        :meth:`values` gives the values at any time.
         """
         return (master for _, master in self._pairs)
 
@@ -332,21 +337,30 @@ class MasterWeights:
         Only ``optimizer``'s parameters (all by default). A master with no gradient gets the
         cast copy; one that has one (accumulation across steps without ``zero_grad``) gets it
         added, so the sums are those of fp32 training. One foreach pass for the copies, one for the adds;
-        the copies are fp32, so a loss scaler unscales them without underflow.
+        the copies are fp32, so a loss scaler unscales them without underflow. With remainders a
+        master without a gradient takes the bf16 one as it is (no pass): the step, or
+        :meth:`fp32_grads`, makes the fp32 copy.
         """
+        pairs = self._own(optimizer)
+        if self.remainder:  # a gradient added to one that waits in bf16 is added in fp32, as under O2
+            self.fp32_grads(pairs=[(h, m) for h, m in pairs if h.grad is not None and m.grad is not None])
         copy_to: list[Tensor] = []
         copy_from: list[Tensor] = []
         add_to: list[Tensor] = []
         add_from: list[Tensor] = []
-        for half, master in self._own(optimizer):
+        for half, master in pairs:
             grad = half.grad
             if grad is None:
                 continue
             if grad.is_sparse or (master.grad is not None and master.grad.is_sparse):
-                master.grad = grad.to(master.dtype) if master.grad is None else master.grad + grad
+                master.grad = grad.to(torch.float32) if master.grad is None else master.grad + grad
+            elif master.grad is None and self.remainder and self._rest[id(master)] is not None:
+                # Packed: the bf16 gradient waits as it is (its master a bf16 stand-in meanwhile);
+                # the step's pre-hook makes the fp32 copy, so none exists as step() is called.
+                master.data = _stand_in(half, self._nans, grad.dtype)
+                master.grad = grad
             elif master.grad is None:
-                like = half if self.remainder else master  # a packed master's own data is a stand-in
-                master.grad = torch.empty_like(like, dtype=master.dtype, memory_format=torch.preserve_format)
+                master.grad = torch.empty_like(master, memory_format=torch.preserve_format)
                 copy_to.append(master.grad)
                 copy_from.append(grad)
             else:
@@ -357,6 +371,40 @@ class MasterWeights:
             torch._foreach_copy_(copy_to, copy_from)  # the cast copy, one foreach pass
         if add_to:
             torch._foreach_add_(add_to, add_from)
+
+    @torch.no_grad()
+    def fp32_grads(
+        self, optimizer: Any | None = None, *, pairs: list[tuple[nn.Parameter, nn.Parameter]] | None = None
+    ) -> None:
+        """Give each gradient that waits in bf16 its exact fp32 copy now (remainders only; else a no-op).
+
+        With remainders, :meth:`grads_to_master` hands ``optimizer``'s masters the model's bf16
+        gradients as they are, and the step's pre-hook copies them into fp32 (so that no fp32
+        gradient exists as ``optimizer.step()`` is called). Whatever reads or changes gradient
+        values before the step (a clip, a hook, a norm) calls this first and sees what O2 gives it:
+        fp32 gradients, the clip's multiply rounded in fp32. One foreach pass.
+        """
+        if not self.remainder:
+            return
+        waiting = [
+            (half, master)
+            for half, master in (pairs if pairs is not None else self._own(optimizer))
+            if master.dtype != torch.float32  # a bf16 stand-in, with or without a gradient
+        ]
+        grads = [master.grad for _, master in waiting]
+        for half, master in waiting:
+            master.grad = None
+            master.data = _stand_in(half, self._nans)
+        self._give_fp32([(m, g) for (_, m), g in zip(waiting, grads, strict=True) if g is not None])
+
+    @staticmethod
+    def _give_fp32(pending: list[tuple[nn.Parameter, Tensor]]) -> None:
+        """Each master's ``.grad`` = its bf16 ``grad``'s fp32 copy (one foreach pass; the master is fp32)."""
+        copies = [torch.empty_like(grad, dtype=torch.float32) for _, grad in pending]
+        if copies:
+            torch._foreach_copy_(copies, [grad for _, grad in pending])
+        for (master, _), copy in zip(pending, copies, strict=True):
+            master.grad = copy
 
     @torch.no_grad()
     def master_to_model(self, optimizer: Any | None = None) -> None:
@@ -384,9 +432,12 @@ class MasterWeights:
                 highs = [half.data for half, _ in chunk]
                 values = [torch.empty_like(high, dtype=torch.float32) for high in highs]
                 _join_all(values, highs, [rest for _, m in chunk if (rest := self._rest[id(m)]) is not None])
+                waiting = [(m, m.grad) for _, m in chunk if m.grad is not None and m.dtype != torch.float32]
                 for (_, master), value in zip(chunk, values, strict=True):
+                    master.grad = None if master.dtype != torch.float32 else master.grad
                     master.data = value
                     self._rest[id(master)] = None
+                self._give_fp32(waiting)
 
     def _pack(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         """Split each live master into its bf16 parameter and a new remainder; release the master.
@@ -421,6 +472,8 @@ class MasterWeights:
                 master.data = master.data.to(half.device)
 
     def _zero_half_grads(self, optimizer: Optimizer, set_to_none: bool) -> None:
+        if self.remainder:  # a master whose bf16 gradient was dropped takes its fp32 stand-in back
+            self.fp32_grads(pairs=[(h, m) for h, m in self._own(optimizer) if m.grad is None])
         for half, _ in self._own(optimizer):
             if half.grad is None:
                 continue
@@ -601,17 +654,23 @@ def _split_all(highs: list[Tensor], rests: list[Tensor], values: list[Tensor]) -
     # join still restores its bits, but the bf16 weight shows a zero instead of NaN.
 
 
-def _stand_in(half: Tensor, nans: dict[torch.device, Tensor] | None = None) -> Tensor:
-    """What a packed master holds: one fp32 NaN broadcast to its shape (reads show NaN, writes raise).
+def _stand_in(
+    half: Tensor,
+    nans: dict[tuple[torch.device, torch.dtype], Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """What a packed master holds: one NaN broadcast to its shape (reads show NaN, writes raise).
 
-    ``nans`` caches one 0-dim NaN per device for the stand-ins of one :class:`MasterWeights`, so
+    fp32; bf16 while the master carries the model's bf16 gradient, waiting for the step. ``nans``
+    caches one 0-dim NaN per device and dtype for the stand-ins of one :class:`MasterWeights`, so
     packing its masters launches no fill per tensor per step.
     """
-    nan = None if nans is None else nans.get(half.device)
+    key = (half.device, dtype)
+    nan = None if nans is None else nans.get(key)
     if nan is None:
-        nan = torch.full((), float("nan"), dtype=torch.float32, device=half.device)
+        nan = torch.full((), float("nan"), dtype=dtype, device=half.device)
         if nans is not None:
-            nans[half.device] = nan
+            nans[key] = nan
     return nan.expand(half.shape)
 
 

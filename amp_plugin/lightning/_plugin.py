@@ -83,6 +83,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         self._run = AMPRun(precision, device, scaler, say=_say, **options)
         self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
         self._fast_clip = self._run.clip_fused is True
+        self._hooks_read = True  # a hook may read gradient values (known once a Trainer connects)
         self._want_grad_norm = self._clip_checked = self._no_clip = False
 
     def __repr__(self) -> str:
@@ -148,9 +149,8 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             rank_zero_info(f"AMPPrecision: {self.fp8_report}")
         run.force_fp32(module)
         if isinstance(module, LightningModule) and (trainer := _compat.attached_trainer(module)) is not None:
-            self._fast_clip = self.clip_fused is True or (
-                self.clip_fused == "auto" and not checks.hooks_observe_gradients(module, trainer)
-            )
+            self._hooks_read = checks.hooks_observe_gradients(module, trainer)
+            self._fast_clip = self.clip_fused is True or (self.clip_fused == "auto" and not self._hooks_read)
         for config in lr_schedulers:  # automatic and manual optimization alike
             if getattr(config, "interval", "step") == "step" and not isinstance(
                 config.scheduler, SkipAwareScheduler
@@ -264,6 +264,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             optimizer,
             lambda: self._run_hooks(model, optimizer),
             observe_unscaled=not self._fast_clip,
+            hooks_read=self._hooks_read,
             update=model.automatic_optimization,
             **kwargs,
         )

@@ -326,7 +326,8 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
                 return optimizer.step(**kwargs)
         self.attach(optimizer)
         # fabric.clip_gradients (the only thing between backward and step) has unscaled already.
-        return self._run.require_driver().step(optimizer, lambda: False, observe_unscaled=False, **kwargs)
+        driver = self._run.require_driver()
+        return driver.step(optimizer, lambda: False, observe_unscaled=False, hooks_read=False, **kwargs)
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -337,8 +338,9 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         gradients move into the fp32 masters first, and the masters' gradients are clipped.
         """
         self.attach(optimizer)
-        if self._run.half is not None:
+        if self._run.half is not None:  # the clip that follows acts on fp32 gradients
             self._run.half.before_step(unwrap_optimizer(optimizer))
+            self._run.half.grads_in_fp32(unwrap_optimizer(optimizer))
         guard = self._run.require_driver().scaler
         if guard is not None and guard.stage(optimizer) == "ready":
             guard.unscale_(optimizer)

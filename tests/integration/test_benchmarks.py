@@ -235,3 +235,24 @@ def test_two_rounds_run_every_pair_of_cases_both_ways(cases: int, monkeypatch: p
     assert all(sorted(order) == names for order in rounds)
     for a, b in itertools.combinations(names, 2):
         assert {order.index(a) < order.index(b) for order in rounds} == {True, False}, (a, b, rounds)
+
+
+def test_memory_counts_remainder_masters_at_14_bytes_per_param_at_the_call() -> None:
+    """bf16 weight 2 + bf16 grad 2 + remainder 2 + AdamW 8; inside the step no more than O2 holds.
+
+    Storage counts, not timings: the same on every machine. The fp32 norm layers (no masters,
+    as under O2) hold 16 per parameter: 2 more than 14 per parameter of theirs.
+    """
+    returncode, output, result = smoke_run("memory.py")
+    assert returncode == 0, output[-3000:]
+    by = {r["config"]: r for r in result["results"]}
+    remainder, o2 = by["O2 remainder"], by["O2 (masters)"]
+    at_call = remainder["breakdown"]["at_call"]
+    fp32_share = (at_call["weights"] - 2.0) / 2.0  # the bf16 weights give 2, the fp32 ones 4
+    assert 0 < fp32_share < 0.01
+    scalars = at_call["masters"] + at_call["state"] - 8.0  # the masters' 0-dim stand-ins, AdamW's step counts
+    assert 0 <= scalars < 1e-3
+    assert remainder["bytes_per_param"] - scalars == pytest.approx(14.0 + 2 * fp32_share), at_call
+    assert at_call["grads"] == pytest.approx(at_call["weights"])  # as many bytes as the weights: bf16
+    assert remainder["in_step_bytes_per_param"] <= o2["in_step_bytes_per_param"]
+    assert next(t for t in result["targets"] if t["name"] == "O2 remainder B/param")["met"]

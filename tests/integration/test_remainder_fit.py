@@ -201,3 +201,39 @@ def test_gradient_accumulation_hands_the_fp32_sums_to_the_remainder_masters() ->
         state["net.0.weight"], start["net.0.weight"]
     )
     assert all(torch.isfinite(v).all() for v in state.values())
+
+
+class GradientReader(Regressor):
+    """Reads the optimizer's gradients in ``on_before_optimizer_step``, as a user's hook may."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.snapshots.setdefault("grads", []).append([g.clone() for g in grads])
+
+
+@pytest.mark.parametrize("clip", [{"gradient_clip_val": 1e-3}, {"gradient_clip_val": 1e-3,
+                                  "gradient_clip_algorithm": "value"}])  # fmt: skip
+def test_clipping_and_hooks_see_o2s_fp32_gradients_and_the_masters_follow_o2(clip: dict[str, Any]) -> None:
+    """The bf16 gradients wait for the step, but a clip or a gradient hook gets the fp32 copies first.
+
+    Clipped hard (every step), the masters stay O2's bit for bit over two epochs (no even tie
+    in 8 steps here), and the hook sees fp32 gradients equal to O2's.
+    """
+    runs = {}
+    for name, kwargs in (("o2", O2_BF16), ("remainder", REMAINDER)):
+        runs[name], _ = _fit(kwargs, 2, module=GradientReader(), **clip)
+    for key, value in runs["o2"].state_dict().items():
+        assert torch.equal(runs["remainder"].state_dict()[key], value), key
+    o2, remainder = runs["o2"].snapshots["grads"], runs["remainder"].snapshots["grads"]
+    assert len(remainder) == len(o2) == 8
+    for a, b in zip(o2, remainder, strict=True):
+        assert [g.dtype for g in b] == [g.dtype for g in a] and all(map(torch.equal, a, b))
+
+
+def test_clipping_without_a_gradient_hook_follows_o2() -> None:
+    """No hook reads the gradients: they reach the step in bf16, and the clip's numbers are O2's."""
+    runs = {}
+    for name, kwargs in (("o2", O2_BF16), ("remainder", REMAINDER)):
+        runs[name], _ = _fit(kwargs, 2, gradient_clip_val=1e-3)
+    for key, value in runs["o2"].state_dict().items():
+        assert torch.equal(runs["remainder"].state_dict()[key], value), key

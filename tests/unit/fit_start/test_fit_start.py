@@ -89,3 +89,17 @@ def test_attach_with_master_weights_refuses_before_the_masters_take_the_optimize
     with pytest.raises(ValueError, match=r"no fp32 master.*HINT"):
         run.attach(model, [opt])
     assert opt.param_groups[0]["params"][0] is model.weight  # nothing changed
+
+
+def test_fit_start_accepts_remainder_masters_whose_gradient_waits_in_bf16() -> None:
+    """A skipped last step leaves the masters carrying the model's bf16 gradients; a later fit of the
+    same optimizer finds bf16 masters there, not half parameters without one."""
+    from amp_plugin.master_weights import cast_model
+
+    model = nn.Linear(4, 2)
+    masters = cast_model(model, torch.bfloat16, master_weights="remainder")
+    opt = torch.optim.AdamW(model.parameters())
+    masters.attach(opt)
+    model(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum().backward()
+    masters.grads_to_master()  # no step follows (skipped)
+    check_fit_start(model, [opt], "cpu", torch.bfloat16, grad_scaling=False, weights="master")

@@ -301,6 +301,56 @@ def test_masters_rebuilt_and_split_in_several_chunks_match_the_reference(
     assert skipped == 1
 
 
+def test_the_gradient_reaches_the_step_in_bf16_and_becomes_fp32_inside_it() -> None:
+    """At the ``optimizer.step()`` call the masters' gradients are the model's bf16 ones (2 B/param, no
+    fp32 copy yet); the step's pre-hook makes their exact fp32 copies; after the step they stay fp32."""
+    model = _model()
+    masters = cast_model(model, torch.bfloat16, master_weights="remainder")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    masters.attach(opt)
+    _mlp_loss(model, 0).backward()
+    bf16 = [half.grad.clone() for half in model.parameters() if masters.master_of(half) is not None]
+    masters.grads_to_master()
+    at_call = [m.grad for m in masters.masters()]
+    assert all(g is not None and g.dtype == torch.bfloat16 for g in at_call)
+    assert sum(g.untyped_storage().nbytes() for g in at_call) == 2 * sum(g.numel() for g in bf16)
+    assert all(p.grad is None for p in model.parameters() if masters.master_of(p) is not None)
+    seen: list[Tensor] = []
+    handle = opt.register_step_pre_hook(lambda *_: seen.extend(m.grad.clone() for m in masters.masters()))
+    opt.step()
+    handle.remove()
+    assert [g.dtype for g in seen] == [torch.float32] * len(bf16)
+    assert all(torch.equal(g, b.float()) for g, b in zip(seen, bf16, strict=True))
+    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in masters.masters())
+    opt.zero_grad()
+    assert all(m.grad is None and m.dtype == torch.float32 for m in masters.masters())
+
+
+def test_fp32_grads_gives_o2s_fp32_gradients_before_the_step_for_clipping() -> None:
+    """What reads the gradients' values before the step (a clip, a hook) asks for the fp32 copies
+    first: clipping them then gives O2's numbers, the clip's multiply rounded in fp32."""
+    grads: dict[str, list[Tensor]] = {}
+    norms = {}
+    for mode in (True, "remainder"):
+        model = _model()
+        masters = cast_model(model, torch.bfloat16, master_weights=mode)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        masters.attach(opt)
+        guard = _guard()
+        guard.scale(_mlp_loss(model, 0)).backward()
+        masters.grads_to_master()
+        masters.fp32_grads(opt)
+        norms[str(mode)] = guard.clip_grad_norm_(opt, 1e-3)
+        seen: list[Tensor] = []
+        opt.register_step_pre_hook(lambda *_, seen=seen, masters=masters: seen.extend(
+            m.grad.clone() for m in masters.masters()))  # fmt: skip
+        opt.step()
+        grads[str(mode)] = seen
+    assert torch.equal(norms["True"], norms["remainder"])
+    assert all(torch.equal(a, b) for a, b in zip(grads["True"], grads["remainder"], strict=True))
+    assert all(g.dtype == torch.float32 for g in grads["remainder"])
+
+
 def test_a_skipped_fused_step_leaves_weights_masters_and_state_bit_identical() -> None:
     model = _model()
     masters = cast_model(model, torch.bfloat16, master_weights="remainder")
