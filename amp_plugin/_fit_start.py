@@ -15,6 +15,7 @@ from torch.optim import LBFGS, Optimizer
 
 from amp_plugin import autocast, diagnostics, master_weights
 from amp_plugin._optim import unwrap_optimizer
+from amp_plugin._sharding import has_dtensor
 from amp_plugin._validation import fail
 from amp_plugin.diagnostics._audit import join_names
 
@@ -145,6 +146,8 @@ def _check_masters(model: nn.Module, optimizers: Sequence[Optimizer]) -> None:
             and (masters is None or masters.master_of(p) is None)
             and id(p) not in own
         ]
+        if bare and has_dtensor(bare):  # sharded after the cast (Fabric shards after converting)
+            master_weights.refuse_sharded("AMPPrecision", [names.get(id(p), "?") for p in bare])
         if bare:
             raise ValueError(
                 f"AMPPrecision(master_weights=True): optimizer {i} ({type(opt).__name__}) steps "

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,9 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from amp_plugin._optim import unwrap_optimizer
+from amp_plugin._sharding import has_dtensor
 from amp_plugin._validation import fail
+from amp_plugin.diagnostics._audit import join_names
 from amp_plugin.fp32_policy import check_module_classes
 
 __all__ = ["MasterWeights", "NormLayer", "cast_model", "masters_of"]
@@ -739,6 +741,8 @@ def cast_model(
     remainder = check_master_weights("cast_model", master_weights, dtype) == "remainder"
     keep = check_module_classes(keep_fp32, "cast_model", "keep_fp32")
     kept = _kept(module, keep)
+    if sharded := _sharded_casts(module, kept, dtype, master_weights is not False):
+        refuse_sharded("cast_model", sharded)
     previous = masters_of(module)
     names: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -776,6 +780,40 @@ def cast_model(
     if pairs:
         masters.hook(module)
     return masters
+
+
+def refuse_sharded(call: str, names: Sequence[str]) -> NoReturn:
+    """Raise the ``ValueError`` for half weights or masters of parameters already sharded (DTensors)."""
+    fail(
+        call,
+        passed=f"a module whose parameters are sharded DTensors already ({join_names(list(names))})",
+        why=(
+            "fully_shard (FSDP2) or tensor parallelism owns their sharded storage: a cast of .data does "
+            "not reach it, and fp32 masters of DTensors are not supported"
+        ),
+        allowed="plain parameters, or DTensor ones in the dtype they would be cast to, without masters",
+        hint=(
+            "keep the model fp32 and shard it with fully_shard(..., mp_policy=MixedPrecisionPolicy("
+            "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) under AMPPrecision('bf16-mixed'): "
+            "the fp32 shards are the master weights. For half weights, cast before sharding "
+            "(self.to(torch.bfloat16) in configure_model, before fully_shard) and leave master_weights off."
+        ),
+    )
+
+
+def _sharded_casts(module: nn.Module, kept: set[int], dtype: torch.dtype, masters: bool) -> list[str]:
+    """Names of the DTensor parameters :func:`cast_model` would cast or give a master (it cannot)."""
+    found: list[str] = []
+    if not has_dtensor(list(module.parameters())):
+        return found
+    for prefix, sub in module.named_modules():
+        target = torch.float32 if id(sub) in kept else dtype
+        for name, param in sub._parameters.items():
+            if param is None or not has_dtensor([param]) or not _castable(param):
+                continue
+            if param.dtype != target or (masters and param.requires_grad and target != torch.float32):
+                found.append(f"{prefix}.{name}" if prefix else name)
+    return found
 
 
 def _cast_(param: nn.Parameter, values: Tensor, dtype: torch.dtype) -> None:

@@ -1,8 +1,10 @@
 """Run as a script by tests/unit/lightning/test_fsdp.py: Lightning's ModelParallelStrategy (FSDP2) on 2 CPUs.
 
 Lightning launches the second process by re-running this script, so it cannot run inside pytest.
-Usage: python _model_parallel_fit.py OUT_DIR PRECISION [monitor]
-("monitor": a non-fused AdamW and a LossScaleMonitor, whose forensics read the poisoned step's gradients)
+Usage: python _model_parallel_fit.py OUT_DIR PRECISION [monitor|policy|castfirst]
+("monitor": a non-fused AdamW and a LossScaleMonitor, whose forensics read the poisoned step's gradients;
+"policy": fully_shard with a bf16 MixedPrecisionPolicy, its fp32 shards the masters; "castfirst": the
+model cast to bf16 before fully_shard, for a "-true" precision)
 """
 
 from __future__ import annotations
@@ -26,18 +28,23 @@ POISON_STEP = 2
 
 
 class Sharded(LightningModule):
-    def __init__(self, out_dir: str, poison: bool, fused: bool = True) -> None:
+    def __init__(self, out_dir: str, poison: bool, fused: bool = True, variant: str = "") -> None:
         super().__init__()
+        self.variant = variant
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
         self.out_dir, self.poison, self.fused, self.norms = out_dir, poison, fused, []
         self.forensics: list[list[str]] = []  # what nonfinite_gradients named, per step, on this rank
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if self.variant == "castfirst":  # half weights: cast before sharding (after it, cast_model refuses)
+            self.to(torch.bfloat16)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs = {"mp_policy": policy} if self.variant == "policy" else {}
         for layer in (self.net[0], self.net[2], self.net):
-            fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+            fully_shard(layer, mesh=self.device_mesh["data_parallel"], **kwargs)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -64,6 +71,7 @@ class Sharded(LightningModule):
         scaler = self.trainer.precision_plugin.scaler
         result = {
             "param_type": type(self.net[2].weight).__name__,
+            "param_dtype": str(self.net[2].weight.dtype),
             "norms": self.norms,
             "skipped": None if scaler is None else scaler.skipped_steps,
             "scale": None if scaler is None else scaler.get_scale(),
@@ -86,7 +94,7 @@ def main(out_dir: str, precision: str, variant: str = "") -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[LossScaleMonitor()] if variant == "monitor" else [],
     )  # fmt: skip
-    model = Sharded(out_dir, poison=scaler is not None, fused=variant != "monitor")
+    model = Sharded(out_dir, poison=scaler is not None, fused=variant != "monitor", variant=variant)
     trainer.fit(model, DataLoader(data, batch_size=4))
     # Leave the group together while both ranks are alive: gloo torn down at interpreter exit, after
     # the other rank has gone, can abort ("terminate called without an active exception").

@@ -132,18 +132,28 @@ def test_clip_grad_by_norm_uses_the_norm_of_every_shard(ranks: list[dict[str, An
         assert whole == pytest.approx(CLIP, rel=1e-4)
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_amp_precision_under_model_parallel_strategy_on_cpu(tmp_path: Path, precision: str) -> None:
-    """Lightning's FSDP2 strategy runs on CPU; AMPPrecision handles its DTensor gradients."""
+@pytest.mark.parametrize(
+    ("precision", "variant", "dtype"),
+    [("16-mixed", "", "float32"), ("bf16-mixed", "", "float32"),
+     ("bf16-mixed", "policy", "float32"), ("bf16-true", "castfirst", "bfloat16")],
+)  # fmt: skip
+def test_amp_precision_under_model_parallel_strategy_on_cpu(
+    tmp_path: Path, precision: str, variant: str, dtype: str
+) -> None:
+    """Lightning's FSDP2 strategy runs on CPU; AMPPrecision handles its DTensor gradients.
+
+    The two routes the refusal of casting sharded parameters points to (docs/distributed.md) run:
+    fp32 shards with FSDP2's bf16 ``MixedPrecisionPolicy``, and a model cast before sharding.
+    """
     script = Path(__file__).with_name("_model_parallel_fit.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[3]), *sys.path])}
     run = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), precision], cwd=tmp_path, env=env,
+        [sys.executable, str(script), str(tmp_path), precision, variant], cwd=tmp_path, env=env,
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    assert ranks[0]["param_type"] == "DTensor"
+    assert ranks[0]["param_type"] == "DTensor" and ranks[0]["param_dtype"] == f"torch.{dtype}"
     assert all(r["params_equal_across_ranks"] and r["params_finite"] for r in ranks)
     assert ranks[0]["norms"] == ranks[1]["norms"]  # the clip norm is the global one on both ranks
     if precision == "16-mixed":
