@@ -237,3 +237,30 @@ def test_clipping_without_a_gradient_hook_follows_o2() -> None:
         runs[name], _ = _fit(kwargs, 2, gradient_clip_val=1e-3)
     for key, value in runs["o2"].state_dict().items():
         assert torch.equal(runs["remainder"].state_dict()[key], value), key
+
+
+def _fabric_clipped(master_weights: bool | str, algorithm: str) -> dict[str, Tensor]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plugin = FabricAMPPrecision("bf16-mixed", master_weights=master_weights, device="cpu")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 1))
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    for x, y in _data():
+        fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+        if algorithm == "norm":
+            fabric.clip_gradients(model, opt, max_norm=1e-3)
+        else:
+            fabric.clip_gradients(model, opt, clip_val=1e-4)
+        opt.step()
+        opt.zero_grad()
+    return net.state_dict()
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_fabric_clip_gradients_acts_on_o2s_fp32_gradients(algorithm: str) -> None:
+    """``fabric.clip_gradients`` makes the remainder masters' fp32 gradients before it clips: O2's numbers."""
+    o2, remainder = _fabric_clipped(True, algorithm), _fabric_clipped("remainder", algorithm)
+    for key, value in o2.items():
+        assert torch.equal(remainder[key], value), key
