@@ -287,6 +287,8 @@ class MasterWeights:
         handles = [opt.register_step_post_hook(lambda o, args, kwargs: self.master_to_model(o))]
         if self.remainder:
             handles.insert(0, opt.register_step_pre_hook(lambda o, args, kwargs: self._unpack(self._own(o))))
+            # torch's load_state_dict casts the state to its parameter's dtype: fp32 masters then.
+            handles.append(opt.register_load_state_dict_pre_hook(lambda o, state: self.fp32_grads(o)))
         had_own = "zero_grad" in vars(opt)
         own = vars(opt).get("zero_grad")
         inner = opt.zero_grad

@@ -326,6 +326,24 @@ def test_the_gradient_reaches_the_step_in_bf16_and_becomes_fp32_inside_it() -> N
     assert all(m.grad is None and m.dtype == torch.float32 for m in masters.masters())
 
 
+def test_loading_optimizer_state_while_a_bf16_gradient_waits_keeps_the_state_fp32() -> None:
+    """After a skipped step the masters carry bf16 gradients (bf16 stand-ins) until ``zero_grad``;
+    torch's ``Optimizer.load_state_dict`` casts state to its parameter's dtype, so a load then (a
+    rollback after a skip) must still see fp32 masters."""
+    model = _model()
+    masters = cast_model(model, torch.bfloat16, master_weights="remainder")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    masters.attach(opt)
+    guard = _guard()
+    _implementation_step(model, masters, opt, guard, lambda m: _mlp_loss(m, 0), poison=False)
+    saved = copy.deepcopy(opt.state_dict())
+    assert _implementation_step(model, masters, opt, guard, lambda m: _mlp_loss(m, 1), poison=True)
+    opt.load_state_dict(saved)
+    assert all(v.dtype == torch.float32 for _, v in _states(opt) if v.dim())
+    assert all(m.dtype == torch.float32 for m in masters.masters())
+    assert not _implementation_step(model, masters, opt, guard, lambda m: _mlp_loss(m, 2), poison=False)
+
+
 def test_fp32_grads_gives_o2s_fp32_gradients_before_the_step_for_clipping() -> None:
     """What reads the gradients' values before the step (a clip, a hook) asks for the fp32 copies
     first: clipping them then gives O2's numbers, the clip's multiply rounded in fp32."""
