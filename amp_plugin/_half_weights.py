@@ -148,7 +148,7 @@ class HalfWeights:
         """Hand over the fp32 gradient sums, then move the half gradients into the masters."""
         self.flush_gradients(optimizer)
         if self.master_weights and self.masters is not None:
-            self.masters.grads_to_master(optimizer)
+            self.masters.grads_to_master(optimizer, defer=True)  # grads_in_fp32 before any read
 
     def grads_in_fp32(self, optimizer: Any) -> None:
         """Make ``optimizer``'s gradients fp32 now, before something reads their values.

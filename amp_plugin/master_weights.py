@@ -26,11 +26,11 @@ rounded to the nearest bf16 with ties away from zero (round-to-nearest-even woul
 65537 fp32 values round to an even bf16). The master parameters the optimizer steps keep their
 identity (optimizer state stays keyed by them) but hold their fp32 values only during
 ``optimizer.step()``: a step pre-hook rebuilds them from ``(b, r)`` and releases ``r``, the
-post-hook splits them back and releases them. Their gradients wait for the step in bf16 too:
-:meth:`~MasterWeights.grads_to_master` hands each master the model's bf16 gradient as it is (the
-master reads as a bf16 NaN meanwhile), and the pre-hook copies it into fp32; whatever reads
-gradient values before the step calls :meth:`~MasterWeights.fp32_grads` first. Plain torch:
-nothing here imports Lightning.
+post-hook splits them back and releases them. Their gradients can wait for the step in bf16 too:
+``grads_to_master(defer=True)`` hands each master the model's bf16 gradient as it is (the master
+reads as a bf16 NaN meanwhile), and the pre-hook copies it into fp32; whatever reads gradient
+values before the step then calls :meth:`~MasterWeights.fp32_grads` first. Plain torch: nothing
+here imports Lightning.
 """
 
 from __future__ import annotations
@@ -335,19 +335,24 @@ class MasterWeights:
     # -- the per-step copies ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def grads_to_master(self, optimizer: Any | None = None) -> None:
+    def grads_to_master(self, optimizer: Any | None = None, *, defer: bool = False) -> None:
         """Move the model's half gradients into the masters' fp32 ``.grad``, then drop them.
 
         Only ``optimizer``'s parameters (all by default). A master with no gradient gets the
         cast copy; one that has one (accumulation across steps without ``zero_grad``) gets it
         added, so the sums are those of fp32 training. One foreach pass for the copies, one for the adds;
-        the copies are fp32, so a loss scaler unscales them without underflow. With remainders a
-        master without a gradient takes the bf16 one as it is (no pass): the step, or
-        :meth:`fp32_grads`, makes the fp32 copy.
+        the copies are fp32, so a loss scaler unscales them without underflow.
+
+        ``defer=True`` (remainders only; ``AMPPrecision`` passes it): a master without a gradient
+        takes the bf16 one as it is (no pass), so no fp32 gradient exists as ``optimizer.step()``
+        is called; the step's pre-hook makes the fp32 copy. Whatever reads or changes gradient
+        values before the step must call :meth:`fp32_grads` first (a clip would otherwise act
+        on bf16 gradients); the inf/NaN check needs no such call.
         """
         pairs = self._own(optimizer)
-        if self.remainder:  # a gradient added to one that waits in bf16 is added in fp32, as under O2
-            self.fp32_grads(pairs=[(h, m) for h, m in pairs if h.grad is not None and m.grad is not None])
+        if self.remainder:  # fp32 masters for eager copies, and for adds to a gradient waiting in bf16
+            waiting = [(h, m) for h, m in pairs if h.grad is not None and (m.grad is not None or not defer)]
+            self.fp32_grads(pairs=waiting)
         copy_to: list[Tensor] = []
         copy_from: list[Tensor] = []
         add_to: list[Tensor] = []
@@ -358,13 +363,14 @@ class MasterWeights:
                 continue
             if grad.is_sparse or (master.grad is not None and master.grad.is_sparse):
                 master.grad = grad.to(torch.float32) if master.grad is None else master.grad + grad
-            elif master.grad is None and self.remainder and self._rest[id(master)] is not None:
+            elif defer and master.grad is None and self.remainder and self._rest[id(master)] is not None:
                 # Packed: the bf16 gradient waits as it is (its master a bf16 stand-in meanwhile);
                 # the step's pre-hook makes the fp32 copy, so none exists as step() is called.
                 master.data = _stand_in(half, self._nans, grad.dtype)
                 master.grad = grad
             elif master.grad is None:
-                master.grad = torch.empty_like(master, memory_format=torch.preserve_format)
+                like = half if self.remainder else master  # a packed master's own data is a stand-in
+                master.grad = torch.empty_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
                 copy_to.append(master.grad)
                 copy_from.append(grad)
             else:
@@ -382,8 +388,8 @@ class MasterWeights:
     ) -> None:
         """Give each gradient that waits in bf16 its exact fp32 copy now (remainders only; else a no-op).
 
-        With remainders, :meth:`grads_to_master` hands ``optimizer``'s masters the model's bf16
-        gradients as they are, and the step's pre-hook copies them into fp32 (so that no fp32
+        With remainders, ``grads_to_master(defer=True)`` hands ``optimizer``'s masters the model's
+        bf16 gradients as they are, and the step's pre-hook copies them into fp32 (so that no fp32
         gradient exists as ``optimizer.step()`` is called). Whatever reads or changes gradient
         values before the step (a clip, a hook, a norm) calls this first and sees what O2 gives it:
         fp32 gradients, the clip's multiply rounded in fp32. One foreach pass.

@@ -120,7 +120,7 @@ class Run:
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), self.tokens[:, 1:].flatten())
         loss.backward()
         if self.masters is not None:
-            self.masters.grads_to_master()
+            self.masters.grads_to_master(defer=self.masters.remainder)  # as AMPPrecision does
         self.optimizer.step()
 
 

@@ -101,13 +101,13 @@ class Reference:
 
 def _implementation_step(
     model: nn.Module, masters: MasterWeights, opt: torch.optim.Optimizer, guard: LossScaler,
-    loss_fn: Callable[[nn.Module], Tensor], poison: bool,
+    loss_fn: Callable[[nn.Module], Tensor], poison: bool, defer: bool = True,
 ) -> bool:  # fmt: skip
     opt.zero_grad()
     guard.scale(loss_fn(model)).backward()
     if poison:
         next(iter(p for p in model.parameters() if p.dtype == torch.bfloat16)).grad.view(-1)[0] = torch.inf
-    masters.grads_to_master()
+    masters.grads_to_master(defer=defer)  # deferred: the bf16 gradients reach the step, as under AMPPrecision
     guard.step(opt)
     guard.update()
     return guard.last_step_skipped
@@ -142,7 +142,7 @@ def _assert_same(model: nn.Module, opt: torch.optim.Optimizer, ref: Reference) -
 
 def _run_against_reference(
     make_model: Callable[[], nn.Module], loss_fn: Callable[[nn.Module, int], Tensor],
-    make_opt: Callable[..., Any], steps: int, poisoned: set[int], autocast: bool = False,
+    make_opt: Callable[..., Any], steps: int, poisoned: set[int], autocast: bool = False, defer: bool = True,
 ) -> tuple[int, int]:  # fmt: skip
     """Train ``steps`` steps both ways; returns (skipped steps, elements off RNE that were ties)."""
     fp32 = make_model()
@@ -163,7 +163,7 @@ def _run_against_reference(
     for step in range(steps):
         batch_loss = functools.partial(_call_with, loss_fn, step)
         with context():
-            skip = _implementation_step(model, masters, opt, guard, batch_loss, step in poisoned)
+            skip = _implementation_step(model, masters, opt, guard, batch_loss, step in poisoned, defer)
         with context():
             ref_skip = ref.step(batch_loss, step in poisoned)
         assert skip == ref_skip == (step in poisoned), step
@@ -226,13 +226,15 @@ def _mlp_loss(model: nn.Module, step: int) -> Tensor:
 
 
 @pytest.mark.parametrize("flavour", [{"foreach": False}, {"foreach": True}])
+@pytest.mark.parametrize("defer", [True, False], ids=["bf16 grads to the step", "fp32 grads first"])
 def test_200_adamw_steps_with_injected_infs_match_the_fp32_master_reference_bit_for_bit(
-    flavour: dict[str, Any],
+    flavour: dict[str, Any], defer: bool
 ) -> None:
     def make_opt(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01, **flavour)
 
-    skipped, ties = _run_against_reference(_model, _mlp_loss, make_opt, 200, poisoned={5, 6, 77, 150})
+    poisoned = {5, 6, 77, 150}
+    skipped, ties = _run_against_reference(_model, _mlp_loss, make_opt, 200, poisoned, defer=defer)
     assert skipped == 4
     assert ties < 20  # about one element in 2**17 per step (every 5th step looked at), off RNE
 
@@ -302,15 +304,16 @@ def test_masters_rebuilt_and_split_in_several_chunks_match_the_reference(
 
 
 def test_the_gradient_reaches_the_step_in_bf16_and_becomes_fp32_inside_it() -> None:
-    """At the ``optimizer.step()`` call the masters' gradients are the model's bf16 ones (2 B/param, no
-    fp32 copy yet); the step's pre-hook makes their exact fp32 copies; after the step they stay fp32."""
+    """Deferred (as ``AMPPrecision`` does), at the ``optimizer.step()`` call the masters' gradients are
+    the model's bf16 ones (2 B/param, no fp32 copy yet); the step's pre-hook makes their exact fp32
+    copies; after the step they stay fp32."""
     model = _model()
     masters = cast_model(model, torch.bfloat16, master_weights="remainder")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     masters.attach(opt)
     _mlp_loss(model, 0).backward()
     bf16 = [half.grad.clone() for half in model.parameters() if masters.master_of(half) is not None]
-    masters.grads_to_master()
+    masters.grads_to_master(defer=True)
     at_call = [m.grad for m in masters.masters()]
     assert all(g is not None and g.dtype == torch.bfloat16 for g in at_call)
     assert sum(g.untyped_storage().nbytes() for g in at_call) == 2 * sum(g.numel() for g in bf16)
@@ -324,6 +327,16 @@ def test_the_gradient_reaches_the_step_in_bf16_and_becomes_fp32_inside_it() -> N
     assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in masters.masters())
     opt.zero_grad()
     assert all(m.grad is None and m.dtype == torch.float32 for m in masters.masters())
+
+
+def test_grads_to_master_gives_fp32_gradients_unless_deferred() -> None:
+    """The plain-torch recipe (``grads_to_master()``, then a clip, then the step) clips fp32 gradients."""
+    model = _model()
+    masters = cast_model(model, torch.bfloat16, master_weights="remainder")
+    masters.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    _mlp_loss(model, 0).backward()
+    masters.grads_to_master()
+    assert all(m.grad is not None and m.grad.dtype == m.dtype == torch.float32 for m in masters.masters())
 
 
 def test_loading_optimizer_state_while_a_bf16_gradient_waits_keeps_the_state_fp32() -> None:
@@ -356,7 +369,7 @@ def test_fp32_grads_gives_o2s_fp32_gradients_before_the_step_for_clipping() -> N
         masters.attach(opt)
         guard = _guard()
         guard.scale(_mlp_loss(model, 0)).backward()
-        masters.grads_to_master()
+        masters.grads_to_master(defer=True)
         masters.fp32_grads(opt)
         norms[str(mode)] = guard.clip_grad_norm_(opt, 1e-3)
         seen: list[Tensor] = []
