@@ -351,8 +351,8 @@ class MasterWeights:
         """
         pairs = self._own(optimizer)
         if self.remainder:  # fp32 masters for eager copies, and for adds to a gradient waiting in bf16
-            waiting = [(h, m) for h, m in pairs if h.grad is not None and (m.grad is not None or not defer)]
-            self.fp32_grads(pairs=waiting)
+            eager = [(h, m) for h, m in pairs if h.grad is not None and (not defer or m.grad is not None)]
+            self._fp32_grads(eager)
         copy_to: list[Tensor] = []
         copy_from: list[Tensor] = []
         add_to: list[Tensor] = []
@@ -383,9 +383,7 @@ class MasterWeights:
             torch._foreach_add_(add_to, add_from)
 
     @torch.no_grad()
-    def fp32_grads(
-        self, optimizer: Any | None = None, *, pairs: list[tuple[nn.Parameter, nn.Parameter]] | None = None
-    ) -> None:
+    def fp32_grads(self, optimizer: Any | None = None) -> None:
         """Give each gradient that waits in bf16 its exact fp32 copy now (remainders only; else a no-op).
 
         With remainders, ``grads_to_master(defer=True)`` hands ``optimizer``'s masters the model's
@@ -394,13 +392,12 @@ class MasterWeights:
         values before the step (a clip, a hook, a norm) calls this first and sees what O2 gives it:
         fp32 gradients, the clip's multiply rounded in fp32. One foreach pass.
         """
-        if not self.remainder:
-            return
-        waiting = [
-            (half, master)
-            for half, master in (pairs if pairs is not None else self._own(optimizer))
-            if master.dtype != torch.float32  # a bf16 stand-in, with or without a gradient
-        ]
+        if self.remainder:
+            self._fp32_grads(self._own(optimizer))
+
+    def _fp32_grads(self, pairs: list[_Pair]) -> None:
+        """:meth:`fp32_grads` for ``pairs``: a bf16 stand-in master becomes fp32, and so does its gradient."""
+        waiting = [(half, master) for half, master in pairs if master.dtype != torch.float32]
         grads = [master.grad for _, master in waiting]
         for half, master in waiting:
             master.grad = None
@@ -483,7 +480,7 @@ class MasterWeights:
 
     def _zero_half_grads(self, optimizer: Optimizer, set_to_none: bool) -> None:
         if self.remainder:  # a master whose bf16 gradient was dropped takes its fp32 stand-in back
-            self.fp32_grads(pairs=[(h, m) for h, m in self._own(optimizer) if m.grad is None])
+            self._fp32_grads([(h, m) for h, m in self._own(optimizer) if m.grad is None])
         for half, _ in self._own(optimizer):
             if half.grad is None:
                 continue
