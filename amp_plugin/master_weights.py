@@ -201,6 +201,7 @@ class MasterWeights:
         self._attached: dict[int, tuple[Optimizer, list[RemovableHandle], Any]] = {}
         self._module_hooks: list[RemovableHandle] = []
         self._nans: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # the packed masters' stand-ins
+        self._lent: set[int] = set()  # id(master) whose fp32 .grad the step pre-hook copied from bf16
 
     def __getstate__(self) -> dict[str, Any]:
         # A deep copy or pickle of the model copies its masters through the state_dict hooks; the
@@ -445,11 +446,14 @@ class MasterWeights:
                     master.data = value
                     self._rest[id(master)] = None
                 self._give_fp32(waiting)
+                self._lent.update(id(m) for m, _ in waiting)
 
     def _pack(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         """Split each live master into its bf16 parameter and a new remainder; release the master.
 
-        A chunk at a time, as :meth:`_unpack` rebuilds them.
+        A chunk at a time, as :meth:`_unpack` rebuilds them. A gradient the pre-hook copied from
+        bf16 goes back to bf16 (its master a bf16 stand-in again until ``zero_grad``): exact, as
+        the step only reads it (an optimizer that wrote into it would see its write rounded).
         """
         with torch.no_grad():
             live = [(half, master) for half, master in pairs if self._rest[id(master)] is None]
@@ -457,9 +461,18 @@ class MasterWeights:
                 highs = [half.data for half, _ in chunk]
                 rests = [torch.empty_like(high, dtype=torch.int16) for high in highs]
                 _split_all(highs, rests, [master.data for _, master in chunk])
+                lent = [(h, m, g) for h, m in chunk if id(m) in self._lent and (g := m.grad) is not None]
+                back = [torch.empty_like(g, dtype=h.dtype) for h, _, g in lent]
+                if back:
+                    torch._foreach_copy_(back, [g for _, _, g in lent])
                 for (half, master), rest in zip(chunk, rests, strict=True):
                     self._rest[id(master)] = rest
+                    self._lent.discard(id(master))
                     master.data = _stand_in(half, self._nans)
+                for (half, master, _), grad in zip(lent, back, strict=True):
+                    master.grad = None
+                    master.data = _stand_in(half, self._nans, grad.dtype)
+                    master.grad = grad
 
     @torch.no_grad()
     def _follow_devices(self) -> None:
@@ -474,7 +487,7 @@ class MasterWeights:
             rest = self._rest.get(id(master))
             if rest is not None:
                 self._rest[id(master)] = rest.to(half.device)
-                master.data = _stand_in(half, self._nans)
+                master.data = _stand_in(half, self._nans, master.dtype)  # bf16 while it carries a bf16 grad
             else:
                 master.data = master.data.to(half.device)
 

@@ -21,6 +21,8 @@ It is counted as ``optimizer.step`` is called (``B/param``, broken down by kind 
 and again once the optimizer's step pre-hooks have run (``in step``): the remainder masters'
 fp32 values exist only inside the step, where they replace the remainders, and the stochastic
 and Kahan roundings step fp32 copies there (counted as ``masters``: what the param groups hold).
+``after`` counts once the step has returned: what the next forward pass holds until ``zero_grad``
+(the remainder masters' gradients are bf16 again there).
 **Peak** is the process's peak resident memory above its resident size before the model was
 built, measured in a fresh subprocess per configuration (activations and temporaries
 included; the allocator and Python add noise of a few MiB). **steps/s** are timed in this
@@ -193,7 +195,9 @@ def bytes_per_param(config: str, size: Size) -> dict[str, dict[str, float]]:
 
     def step_and_measure(*args: Any, **kwargs: Any) -> Any:
         measured["at_call"] = persistent_bytes(run)  # grads, state and masters all alive here
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        measured["after_step"] = persistent_bytes(run)  # what the next forward starts with (until zero_grad)
+        return result
 
     def in_step(*_: Any) -> None:
         measured["in_step"] = persistent_bytes(run)
@@ -261,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": config,
             "bytes_per_param": sum(counts["at_call"].values()),
             "in_step_bytes_per_param": sum(counts["in_step"].values()),
+            "after_step_bytes_per_param": sum(counts["after_step"].values()),
             "breakdown": counts,
             **peaks[config].result(),
             "step_ms": ms,
@@ -268,14 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         }
         results.append(result)
         rows.append([config, f"{result['bytes_per_param']:.2f}", f"{result['in_step_bytes_per_param']:.2f}",
-                     _breakdown(counts["at_call"]), f"{result['peak_mib']:.1f}", f"{ms:.1f}",
+                     f"{result['after_step_bytes_per_param']:.2f}", _breakdown(counts["at_call"]),
+                     f"{result['peak_mib']:.1f}", f"{ms:.1f}",
                      f"{result['steps_per_s']:.2f}"])  # fmt: skip
     by = {r["config"]: r for r in results}
     model = runs["O2 remainder"].model
     fp32_share = sum(p.numel() for p in model.parameters() if p.dtype == torch.float32) / params
     checks = _checks(by, fp32_share)
     print(f"AdamW, {params / 1e6:.2f}M-parameter LM, CPU, {args.threads} threads, {repeats} rounds")
-    header = ["config", "B/param", "in step", "at the call", "peak MiB", "step ms", "steps/s"]
+    header = ["config", "B/param", "in step", "after", "at the call", "peak MiB", "step ms", "steps/s"]
     print(format_table(header, rows))
     for check in checks:
         verdict = "ok" if check["met"] else "MISSED"

@@ -255,4 +255,7 @@ def test_memory_counts_remainder_masters_at_14_bytes_per_param_at_the_call() -> 
     assert remainder["bytes_per_param"] - scalars == pytest.approx(14.0 + 2 * fp32_share), at_call
     assert at_call["grads"] == pytest.approx(at_call["weights"])  # as many bytes as the weights: bf16
     assert remainder["in_step_bytes_per_param"] <= o2["in_step_bytes_per_param"]
+    # After the step (what the next forward holds until zero_grad) the gradients are bf16 again.
+    assert remainder["after_step_bytes_per_param"] == pytest.approx(remainder["bytes_per_param"])
+    assert o2["after_step_bytes_per_param"] == pytest.approx(o2["bytes_per_param"])
     assert next(t for t in result["targets"] if t["name"] == "O2 remainder B/param")["met"]

@@ -306,7 +306,7 @@ def test_masters_rebuilt_and_split_in_several_chunks_match_the_reference(
 def test_the_gradient_reaches_the_step_in_bf16_and_becomes_fp32_inside_it() -> None:
     """Deferred (as ``AMPPrecision`` does), at the ``optimizer.step()`` call the masters' gradients are
     the model's bf16 ones (2 B/param, no fp32 copy yet); the step's pre-hook makes their exact fp32
-    copies; after the step they stay fp32."""
+    copies; the post-hook gives them back in bf16 (exact: the step read them only)."""
     model = _model()
     masters = cast_model(model, torch.bfloat16, master_weights="remainder")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -324,7 +324,10 @@ def test_the_gradient_reaches_the_step_in_bf16_and_becomes_fp32_inside_it() -> N
     handle.remove()
     assert [g.dtype for g in seen] == [torch.float32] * len(bf16)
     assert all(torch.equal(g, b.float()) for g, b in zip(seen, bf16, strict=True))
-    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in masters.masters())
+    # After the step the gradients are the bf16 ones again (until zero_grad): 2 B/param, not 4.
+    after = [m.grad for m in masters.masters()]
+    assert all(g is not None and g.dtype == torch.bfloat16 for g in after)
+    assert all(torch.equal(g, b) for g, b in zip(after, bf16, strict=True))
     opt.zero_grad()
     assert all(m.grad is None and m.dtype == torch.float32 for m in masters.masters())
 
