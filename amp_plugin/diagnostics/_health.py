@@ -87,6 +87,9 @@ class SkipHealth:
         self.state: HealthState = "clean"
         self.steps = self.skipped = self.warmup_skipped = self.consecutive = 0
         self.scale: float | None = None  # the last one known
+        # A loss scale calibrates (fp16): its first steps are warm-up. Without one (bf16, fp32) a skip is
+        # a real inf/NaN from the first step on (the monitor sets this at fit start).
+        self.scaled = True
         self.flags: deque[bool] = deque(maxlen=window)
         self._window_skips = 0  # sum(flags), kept as it goes
 
@@ -112,7 +115,7 @@ class SkipHealth:
         self.flags.append(skipped)
         self._window_skips += skipped
         self.consecutive = self.consecutive + 1 if skipped else 0
-        in_warmup = self.steps <= self.warmup_steps
+        in_warmup = self.scaled and self.steps <= self.warmup_steps
         self.skipped += skipped
         self.warmup_skipped += skipped and in_warmup
         if scale is not None:
@@ -142,7 +145,8 @@ class SkipHealth:
             limit = max(limit, STREAK_WARNING_AT)
         if self.consecutive >= limit:
             problems.append(f"{self.consecutive} steps in a row were skipped (limit {limit})")
-        window_after_warmup = len(self.flags) == self.window and self.steps - self.window >= self.warmup_steps
+        warmup = self.warmup_steps if self.scaled else 0
+        window_after_warmup = len(self.flags) == self.window and self.steps - self.window >= warmup
         if window_after_warmup and self.skip_rate > self.max_skip_rate:
             problems.append(
                 f"{self.skip_rate:.1%} of the last {self.window} steps were skipped "
@@ -156,6 +160,11 @@ class SkipHealth:
             return "warm-up", (
                 f"step {self.steps} was skipped while the loss scale calibrates (the first "
                 f"{self.warmup_steps} steps are warm-up); this is normal"
+            )
+        if skipped and not self.scaled:
+            return "sporadic", (
+                f"step {self.steps} was skipped: its loss or a gradient was inf/NaN (no loss scale was "
+                "involved); the guard left the weights and the optimizer state as they were"
             )
         if skipped:
             return "sporadic", (

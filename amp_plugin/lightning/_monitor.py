@@ -70,7 +70,8 @@ class LossScaleMonitor(Callback):
     while training). Needs ``Trainer(plugins=[AMPPrecision(...)])``.
 
     Args:
-        warmup_steps: first steps whose skips are calibration, not a problem.
+        warmup_steps: first steps whose skips are calibration, not a problem (fp16's loss scale;
+            without one, as under bf16, there is no warm-up).
         window: recent steps covered by ``amp/skip_rate`` and the skip-rate rule.
         max_consecutive_skips: skipped steps in a row (after warm-up) that are pathological.
         max_skip_rate: skip rate over a window above which the run is pathological.
@@ -192,6 +193,7 @@ class LossScaleMonitor(Callback):
                 "another pass over the gradients); amp/grad_norm (before clipping) is."
             )
         self._health.min_scale = None if scaler is None else scaler.min_scale
+        self._health.scaled = scaler is not None  # bf16/fp32: no warm-up, a skip is a real inf/NaN
         scale = math.nan if scaler is None else scaler.get_scale()  # the restored scale after a resume
         self._record(ScaleRecord(trainer.global_step, scale, self._health.skipped, math.nan, False))
         self._progress = self._progress_count(trainer)

@@ -495,3 +495,22 @@ def test_a_scale_at_its_floor_is_reported_once_with_the_monitor() -> None:
 def test_a_long_run_of_skips_is_reported_once_without_the_monitor() -> None:
     said = _always_overflowing_fit(None)
     assert len([m for m in said if "in a row were skipped" in m]) == 1, said
+
+
+def test_a_bf16_skip_is_not_called_loss_scale_calibration(said: pytest.LogCaptureFixture) -> None:
+    """bf16 has no loss scale: a skip in the first steps is a real inf/NaN, not warm-up, and is said so."""
+    monitor = LossScaleMonitor()  # warm-up: the first 100 steps, under loss scaling
+    _fit(Probe(poison=(1,)), monitor, AMPPrecision("bf16-mixed"), steps=4)
+    assert "calibrat" not in said.text and "this is normal" not in said.text
+    assert "step 2 was skipped: its loss or a gradient was inf/NaN" in said.text
+    assert monitor.health == "sporadic"
+
+
+def test_bf16_skip_limits_apply_from_the_first_step(said: pytest.LogCaptureFixture) -> None:
+    """No warm-up without a loss scale: a full window's skip rate counts from the first step."""
+    monitor = LossScaleMonitor(window=4, max_skip_rate=0.3)  # warm-up would be 100 steps under fp16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(Probe(poison=(1, 2)), monitor, AMPPrecision("bf16-mixed"), steps=5)
+    assert monitor.health == "pathological"
+    assert "skip rate 50.0% over the last 4 steps; health: pathological" in said.text
