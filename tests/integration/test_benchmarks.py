@@ -102,8 +102,10 @@ def _smoke_run_now(script: str) -> SmokeResult:
 @pytest.mark.parametrize("script", sorted(SMOKE_ARGS))
 def test_benchmark_smoke_run(script: str, request: pytest.FixtureRequest) -> None:
     # The first of these starts the smoke runs of every script selected in this session.
-    selected = [item.callspec.params["script"] for item in request.session.items
-                if item.originalname == "test_benchmark_smoke_run" and hasattr(item, "callspec")]  # fmt: skip
+    # (The session's items include doctests, which have neither a name of origin nor a callspec.)
+    params = [item for item in request.session.items if hasattr(item, "callspec")]
+    smoke = [item for item in params if item.originalname == "test_benchmark_smoke_run"]
+    selected = [item.callspec.params["script"] for item in smoke]
     _start_smoke_runs([script, *selected])
     returncode, output, result = smoke_run(script)
     assert returncode == 0, f"{script} exited {returncode}:\n{output[-3000:]}"
