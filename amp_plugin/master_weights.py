@@ -396,23 +396,23 @@ class MasterWeights:
         if self.remainder:
             self._fp32_grads(self._own(optimizer))
 
-    def _fp32_grads(self, pairs: list[_Pair]) -> None:
-        """:meth:`fp32_grads` for ``pairs``: a bf16 stand-in master becomes fp32, and so does its gradient."""
+    def _fp32_grads(self, pairs: list[_Pair]) -> list[nn.Parameter]:
+        """:meth:`fp32_grads` for ``pairs``: a bf16 stand-in master becomes fp32, its gradient an fp32 copy.
+
+        Returns the masters whose gradient was copied (one foreach pass for them all).
+        """
         waiting = [(half, master) for half, master in pairs if master.dtype != torch.float32]
         grads = [master.grad for _, master in waiting]
         for half, master in waiting:
             master.grad = None
             master.data = _stand_in(half, self._nans)
-        self._give_fp32([(m, g) for (_, m), g in zip(waiting, grads, strict=True) if g is not None])
-
-    @staticmethod
-    def _give_fp32(pending: list[tuple[nn.Parameter, Tensor]]) -> None:
-        """Each master's ``.grad`` = its bf16 ``grad``'s fp32 copy (one foreach pass; the master is fp32)."""
+        pending = [(m, g) for (_, m), g in zip(waiting, grads, strict=True) if g is not None]
         copies = [torch.empty_like(grad, dtype=torch.float32) for _, grad in pending]
         if copies:
             torch._foreach_copy_(copies, [grad for _, grad in pending])
         for (master, _), copy in zip(pending, copies, strict=True):
             master.grad = copy
+        return [master for master, _ in pending]
 
     @torch.no_grad()
     def master_to_model(self, optimizer: Any | None = None) -> None:
@@ -440,13 +440,11 @@ class MasterWeights:
                 highs = [half.data for half, _ in chunk]
                 values = [torch.empty_like(high, dtype=torch.float32) for high in highs]
                 _join_all(values, highs, [rest for _, m in chunk if (rest := self._rest[id(m)]) is not None])
-                waiting = [(m, m.grad) for _, m in chunk if m.grad is not None and m.dtype != torch.float32]
+                # The gradients that waited in bf16 get their fp32 copies; they go back at _pack.
+                self._lent.update(id(master) for master in self._fp32_grads(chunk))
                 for (_, master), value in zip(chunk, values, strict=True):
-                    master.grad = None if master.dtype != torch.float32 else master.grad
                     master.data = value
                     self._rest[id(master)] = None
-                self._give_fp32(waiting)
-                self._lent.update(id(m) for m, _ in waiting)
 
     def _pack(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         """Split each live master into its bf16 parameter and a new remainder; release the master.
@@ -492,9 +490,10 @@ class MasterWeights:
                 master.data = master.data.to(half.device)
 
     def _zero_half_grads(self, optimizer: Optimizer, set_to_none: bool) -> None:
+        pairs = self._own(optimizer)
         if self.remainder:  # a master whose bf16 gradient was dropped takes its fp32 stand-in back
-            self._fp32_grads([(h, m) for h, m in self._own(optimizer) if m.grad is None])
-        for half, _ in self._own(optimizer):
+            self._fp32_grads([(h, m) for h, m in pairs if m.grad is None])
+        for half, _ in pairs:
             if half.grad is None:
                 continue
             if set_to_none:

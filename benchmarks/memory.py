@@ -122,7 +122,7 @@ class Run:
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), self.tokens[:, 1:].flatten())
         loss.backward()
         if self.masters is not None:
-            self.masters.grads_to_master(defer=self.masters.remainder)  # as AMPPrecision does
+            self.masters.grads_to_master(defer=True)  # as AMPPrecision does (only remainders defer)
         self.optimizer.step()
 
 
