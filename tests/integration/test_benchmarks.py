@@ -14,12 +14,13 @@ import os
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests._ahead import RunsAhead, selected_tests
 
 # Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
 pytestmark = pytest.mark.slow
@@ -66,27 +67,6 @@ def _cpu_env() -> dict[str, str]:
 
 
 SmokeResult = tuple[int, str, dict[str, Any]]
-_SMOKE_RUNS: dict[str, Future[SmokeResult]] = {}  # started once per session, kept for every caller
-
-
-def smoke_run(script: str) -> SmokeResult:
-    """``script``'s smoke run on the CPU, once per session: exit code, output, its JSON (``{}`` if none)."""
-    if script not in _SMOKE_RUNS:
-        _start_smoke_runs([script])
-    return _SMOKE_RUNS[script].result()
-
-
-def _start_smoke_runs(scripts: list[str]) -> None:
-    """Start the smoke runs of ``scripts`` not started yet, two at a time, in that order.
-
-    Each run is pinned to one thread (:func:`_cpu_env`), so two of them overlap on a 2-core machine
-    instead of queueing behind each other; the numbers of a smoke run are not checked.
-    """
-    pool = ThreadPoolExecutor(max_workers=2)
-    for script in scripts:
-        if script not in _SMOKE_RUNS:
-            _SMOKE_RUNS[script] = pool.submit(_smoke_run_now, script)
-    pool.shutdown(wait=False)
 
 
 def _smoke_run_now(script: str) -> SmokeResult:
@@ -99,14 +79,21 @@ def _smoke_run_now(script: str) -> SmokeResult:
         return proc.returncode, proc.stdout + proc.stderr, json.loads(out.read_text()) if out.exists() else {}
 
 
+# Each run is pinned to one thread (_cpu_env), so two overlap on a 2-core machine; their numbers
+# are not checked.
+_SMOKE_RUNS: RunsAhead[str, SmokeResult] = RunsAhead(_smoke_run_now)
+
+
+def smoke_run(script: str) -> SmokeResult:
+    """``script``'s smoke run on the CPU, once per session: exit code, output, its JSON (``{}`` if none)."""
+    return _SMOKE_RUNS.result(script)
+
+
 @pytest.mark.parametrize("script", sorted(SMOKE_ARGS))
 def test_benchmark_smoke_run(script: str, request: pytest.FixtureRequest) -> None:
     # The first of these starts the smoke runs of every script selected in this session.
-    # (The session's items include doctests, which have neither a name of origin nor a callspec.)
-    params = [item for item in request.session.items if hasattr(item, "callspec")]
-    smoke = [item for item in params if item.originalname == "test_benchmark_smoke_run"]
-    selected = [item.callspec.params["script"] for item in smoke]
-    _start_smoke_runs([script, *selected])
+    smoke = [item for item in selected_tests(request) if item.originalname == "test_benchmark_smoke_run"]
+    _SMOKE_RUNS.start([script, *(item.callspec.params["script"] for item in smoke)])
     returncode, output, result = smoke_run(script)
     assert returncode == 0, f"{script} exited {returncode}:\n{output[-3000:]}"
     assert any(set(line.strip()) <= {"-", " "} and "--" in line for line in output.splitlines()), output

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._ahead import RunsAhead, selected_tests
+
 # Slow (subprocesses or multi-step fits): the one-thread pass of the test command skips it.
 pytestmark = pytest.mark.slow
 
@@ -59,6 +61,46 @@ def _run(script: str, *args: str, cwd: Path, omp_threads: str | None = "1") -> s
     return proc.stdout + proc.stderr
 
 
+# The runs of the tests below, by test: script, its arguments, OMP_NUM_THREADS (None: unset). Each
+# pins one thread, so they run ahead of their tests, two at a time (tests/_ahead.py).
+RUNS: dict[str, tuple[str, tuple[str, ...], str | None]] = {
+    "test_quickstart_auto_picks_bf16_on_cpu_pins_its_threads_and_compares_with_fp32":
+        ("quickstart.py", ("--accelerator", "cpu"), None),  # the quickstart pins its own threads
+    "test_quickstart_fp16_reports_the_scaler":
+        ("quickstart.py", ("--accelerator", "cpu", "--precision", "16-mixed"), "1"),
+    "test_fp16_scaler_shows_warmup_growth_and_the_injected_overflow":
+        ("fp16_scaler.py", ("--plot", "runs/scale.png"), "1"),
+    "test_ddp_example_ranks_agree": ("ddp.py", ("--devices", "2", "--precision", "16-mixed"), "1"),
+    "test_master_weights_example_shows_the_weight_backup_effect_and_the_opt_levels":
+        ("master_weights.py", (), "1"),
+    "test_limited_precision_example_prints_the_table_and_writes_the_plot": ("limited_precision.py", (), "1"),
+    "test_fabric_example_skips_clips_and_resumes_bit_exactly": ("fabric.py", (), "1"),
+    "test_fp8_example_trains_both_and_reports_the_layers": ("fp8.py", (), "1"),
+}  # fmt: skip
+_WORKDIRS: list[Path] = []  # the session's folder for these runs, set by the first test that asks
+
+
+def _run_for(test: str) -> tuple[str, Path]:
+    script, args, omp_threads = RUNS[test]
+    cwd = _WORKDIRS[0] / test
+    cwd.mkdir()
+    return _run(script, *args, cwd=cwd, omp_threads=omp_threads), cwd
+
+
+_AHEAD: RunsAhead[str, tuple[str, Path]] = RunsAhead(_run_for)
+
+
+def example_run(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    """The output of the calling test's run (``RUNS``) and the folder it ran in.
+
+    The first call starts the runs of every selected test of this file.
+    """
+    if not _WORKDIRS:
+        _WORKDIRS.append(request.getfixturevalue("tmp_path_factory").mktemp("examples"))
+    _AHEAD.start(item.originalname for item in selected_tests(request) if item.originalname in RUNS)
+    return _AHEAD.result(request.node.originalname)
+
+
 def _summary_value(output: str, key: str) -> str:
     summary = output.rsplit("\nSummary\n", 1)[-1]
     for line in summary.splitlines():
@@ -68,9 +110,11 @@ def _summary_value(output: str, key: str) -> str:
     raise AssertionError(f"no {key!r} line in the summary:\n{summary}")
 
 
-def test_quickstart_auto_picks_bf16_on_cpu_pins_its_threads_and_compares_with_fp32(tmp_path: Path) -> None:
+def test_quickstart_auto_picks_bf16_on_cpu_pins_its_threads_and_compares_with_fp32(
+    request: pytest.FixtureRequest,
+) -> None:
     # Without OMP_NUM_THREADS torch would take one thread per core; the quickstart pins its own.
-    out = _run("quickstart.py", "--accelerator", "cpu", cwd=tmp_path, omp_threads=None)
+    out, cwd = example_run(request)
     assert _summary_value(out, "device").startswith("cpu (1 intra-op thread, 1 inter-op thread")
     fp32 = _summary_value(out, "vs fp32")  # "AMPPrecision 0.62x fp32 (1130 against 1830 samples/s ...)"
     assert fp32.startswith("bf16-mixed ") and "x fp32 (" in fp32
@@ -86,7 +130,7 @@ def test_quickstart_auto_picks_bf16_on_cpu_pins_its_threads_and_compares_with_fp
     assert _summary_value(out, "training").startswith("12 steps of batch 32")
     # Even 12 steps of the small smoke model beat chance (12.5%) by a margin.
     assert float(_summary_value(out, "val accuracy").split("%")[0]) > 25
-    assert (tmp_path / "runs" / "quickstart" / "version_0" / "metrics.csv").is_file()
+    assert (cwd / "runs" / "quickstart" / "version_0" / "metrics.csv").is_file()
     # Not a terminal (a pipe here, a log file or CI elsewhere): plain lines, no progress-bar redraws.
     assert "\r" not in out
     assert "step 6/12: loss " in out and "step 6/12: val_acc " in out and "step 12/12: loss " in out
@@ -155,18 +199,18 @@ def test_quickstart_keeps_lightnings_tensor_core_advice_out_of_its_console(
     assert [record.getMessage() for record in caplog.records] == ["a message worth reading"]
 
 
-def test_quickstart_fp16_reports_the_scaler(tmp_path: Path) -> None:
-    out = _run("quickstart.py", "--accelerator", "cpu", "--precision", "16-mixed", cwd=tmp_path)
+def test_quickstart_fp16_reports_the_scaler(request: pytest.FixtureRequest) -> None:
+    out, _ = example_run(request)
     assert _summary_value(out, "precision").startswith("16-mixed")
     scaling = _summary_value(out, "loss scaling")
     assert scaling.startswith("final scale ") and "of 12 steps" in scaling
 
 
-def test_fp16_scaler_shows_warmup_growth_and_the_injected_overflow(tmp_path: Path) -> None:
-    out = _run("fp16_scaler.py", "--plot", "runs/scale.png", cwd=tmp_path)
+def test_fp16_scaler_shows_warmup_growth_and_the_injected_overflow(request: pytest.FixtureRequest) -> None:
+    out, cwd = example_run(request)
     assert _summary_value(out, "plot").startswith("runs/scale.png (")
     assert "plot of the loss scale and skips written to runs/scale.png" in out
-    assert (tmp_path / "runs" / "scale.png").stat().st_size > 0
+    assert (cwd / "runs" / "scale.png").stat().st_size > 0
     assert "fp16 gradients overflowed: step skipped, scale x0.5" in out  # warm-up back-off from 2**16
     assert "clean steps in a row: scale x2" in out
     assert "loss is inf/NaN (fp16 forward overflowed): step skipped" in out  # the smoke run injects at 45
@@ -176,8 +220,8 @@ def test_fp16_scaler_shows_warmup_growth_and_the_injected_overflow(tmp_path: Pat
     assert _summary_value(out, "skipped steps").endswith("of 60")
 
 
-def test_ddp_example_ranks_agree(tmp_path: Path) -> None:
-    out = _run("ddp.py", "--devices", "2", "--precision", "16-mixed", cwd=tmp_path)
+def test_ddp_example_ranks_agree(request: pytest.FixtureRequest) -> None:
+    out, _ = example_run(request)
     assert "precision     16-mixed on 2 x cpu" in out
     assert "ranks agree" in out
     assert "loss scaler   scale" in out
@@ -185,8 +229,10 @@ def test_ddp_example_ranks_agree(tmp_path: Path) -> None:
     assert "\r" not in out
 
 
-def test_master_weights_example_shows_the_weight_backup_effect_and_the_opt_levels(tmp_path: Path) -> None:
-    out = _run("master_weights.py", cwd=tmp_path)
+def test_master_weights_example_shows_the_weight_backup_effect_and_the_opt_levels(
+    request: pytest.FixtureRequest,
+) -> None:
+    out, _ = example_run(request)
     assert "fp16 + master  0.9980" in out  # 20 updates of 1e-4 kept
     assert "fp16 alone     1.0000" in out  # and lost
     rows = {
@@ -200,18 +246,20 @@ def test_master_weights_example_shows_the_weight_backup_effect_and_the_opt_level
     assert float(rows["O3"][5]) == 8.0 and float(rows["O0"][5]) == 16.0
 
 
-def test_limited_precision_example_prints_the_table_and_writes_the_plot(tmp_path: Path) -> None:
-    out = _run("limited_precision.py", cwd=tmp_path)
+def test_limited_precision_example_prints_the_table_and_writes_the_plot(
+    request: pytest.FixtureRequest,
+) -> None:
+    out, cwd = example_run(request)
     rows = [line.split() for line in out.splitlines() if line.startswith(("float32", "FL="))]
     assert [" ".join(r[:2]) for r in rows] == ["float32 -", "FL=14 nearest", "FL=14 stochastic",
         "FL=10 nearest", "FL=10 stochastic", "FL=8 nearest", "FL=8 stochastic"]  # fmt: skip
     assert all(0 <= float(r[-2]) <= 100 for r in rows)
     assert "plot written to runs/limited_precision.png" in out
-    assert (tmp_path / "runs" / "limited_precision.png").stat().st_size > 1000
+    assert (cwd / "runs" / "limited_precision.png").stat().st_size > 1000
 
 
-def test_fabric_example_skips_clips_and_resumes_bit_exactly(tmp_path: Path) -> None:
-    out = _run("fabric.py", cwd=tmp_path)
+def test_fabric_example_skips_clips_and_resumes_bit_exactly(request: pytest.FixtureRequest) -> None:
+    out, _ = example_run(request)
     assert _summary_value(out, "precision").startswith("16-mixed (torch.float16) with LossScaler")
     skipped = ast.literal_eval(_summary_value(out, "skipped steps").partition("at steps ")[2])
     assert 1 in skipped and 0 not in skipped  # the warm-up skip, counted from 1 as everywhere
@@ -278,9 +326,9 @@ def test_limited_precision_without_scikit_learn_says_what_to_install(tmp_path: P
     ]
 
 
-def test_fp8_example_trains_both_and_reports_the_layers(tmp_path: Path) -> None:
+def test_fp8_example_trains_both_and_reports_the_layers(request: pytest.FixtureRequest) -> None:
     pytest.importorskip("torchao", reason="examples/fp8.py needs torchao (pip install 'amp_plugin[fp8]')")
-    out = _run("fp8.py", cwd=tmp_path)
+    out, _ = example_run(request)
     assert out.count("fp8 (tensorwise): 7 of 9 Linear layers") == 1  # said once, by AMPPrecision
     assert "blocks.0.qkv (first Linear layer), head (last Linear layer)" in out
     bf16 = float(_summary_value(out, "bf16 final loss (mean of last 1)"))
