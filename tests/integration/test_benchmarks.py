@@ -274,3 +274,22 @@ def test_memory_counts_remainder_masters_at_14_bytes_per_param_at_the_call() -> 
     assert remainder["after_step_bytes_per_param"] == pytest.approx(remainder["bytes_per_param"])
     assert o2["after_step_bytes_per_param"] == pytest.approx(o2["bytes_per_param"])
     assert next(t for t in result["targets"] if t["name"] == "O2 remainder B/param")["met"]
+
+
+def test_training_speed_times_the_spike_guard_against_the_same_guard_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The spike guard's cost target (<= 2% of a step) is a ratio of two rows of one run: the same
+    # AMPPrecision bf16 with and without a guard watching both signals, on the transformer.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its _common helper
+    spec = importlib.util.spec_from_file_location("_bench_training_speed", BENCHMARKS / "training_speed.py")
+    assert spec is not None and spec.loader is not None
+    speed = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, speed)  # its dataclasses look their module up there
+    spec.loader.exec_module(speed)
+    for device in ("cpu", "cuda"):
+        assert (speed.AMP_BF16_SPIKE, speed.AMP_BF16, 0.98) in speed._checks("transformer", device)
+        assert not [c for c in speed._checks("mlp", device) if speed.AMP_BF16_SPIKE in c]
+    spiked = speed.make_plugin(speed.AMP_BF16_SPIKE, "cpu")
+    assert spiked.spike_guard is not None and spiked.spike_guard.on == ("loss", "grad_norm")
+    assert speed.make_plugin(speed.AMP_BF16, "cpu").spike_guard is None
