@@ -329,7 +329,9 @@ class LossScaler:
             return _ScaledLoss.apply(loss) if loss.requires_grad else loss
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
-        factor = scale.to(device=loss.device, dtype=loss.dtype, non_blocking=True)
+        # Integer outputs take the fp32 factor as it is (type promotion makes them fp32, as torch's do).
+        dtype = loss.dtype if loss.is_floating_point() else None
+        factor = scale.to(device=loss.device, dtype=dtype, non_blocking=True)
         if not loss.requires_grad:
             return loss * factor
         # A non-finite loss can have finite gradients (a NaN from a term no parameter is in), and its
@@ -351,14 +353,14 @@ class LossScaler:
         state = self._state(opt, "unscale_")
         if state.stage is Stage.UNSCALED:
             raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update() "
-                "(clip_grad_norm_ and clip_grad_value_ unscale too). HINT: unscale once per "
+                "unscale_() has already been called on this optimizer since the last update(). "
+                "(clip_grad_norm_ and clip_grad_value_ unscale too.) HINT: unscale once per "
                 "iteration, after all backward passes, then step() and update()."
             )
         if state.stage is Stage.STEPPED:
             raise RuntimeError(
-                "unscale_() was called after step() on this optimizer. HINT: unscale (or clip) "
-                "before step(); call update() to start the next iteration."
+                "unscale_() is being called after step(). HINT: unscale (or clip) before step(); "
+                "call update() to start the next iteration."
             )
         scale = self._require_scale("unscale_")
         if self._guard_only:  # a scale of 1: the gradients are read, never written
@@ -386,15 +388,17 @@ class LossScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError(
-                "step(optimizer, closure=...) is not supported while loss scaling is enabled. "
-                "HINT: run the closure (forward + scaled backward) yourself, then call step()."
+                "Closure use is not currently supported if GradScaler is enabled. (LossScaler "
+                "neither: the closure's backward would not be scaled.) HINT: run the closure "
+                "(forward + scaled backward) yourself, then call step()."
             )
         opt = unwrap_optimizer(optimizer)
         state = self._state(opt, "step")
         if state.stage is Stage.STEPPED:
             raise RuntimeError(
-                "step() has already been called on this optimizer since the last update(). "
-                "HINT: call update() once per iteration, after the step() of every optimizer."
+                "step() has already been called since the last update(). (Once per optimizer "
+                "and iteration.) HINT: call update() once per iteration, after the step() of "
+                "every optimizer."
             )
         if _fused(opt):
             return self._fused_step(opt, optimizer, state, *args, **kwargs)

@@ -757,6 +757,17 @@ def test_scale_of_nested_lists_and_tuples_matches_torch() -> None:
         assert same_bits(x, y), (x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float64, torch.float32])
+@pytest.mark.parametrize("init_scale", [0.5, 3.0, 2.0**16])
+def test_scale_of_outputs_of_other_dtypes_matches_torch(dtype: torch.dtype, init_scale: float) -> None:
+    # torch multiplies by its fp32 scale under type promotion: integer outputs come back fp32 (a
+    # scale of 0.5 cast to an integer first would zero them); fp64 ones stay fp64.
+    outputs = torch.tensor([3, -7, 1000], dtype=dtype)
+    theirs = grad_scaler(init_scale=init_scale).scale(outputs)
+    ours = loss_scaler(init_scale=init_scale).scale(outputs)
+    assert ours.dtype == theirs.dtype and same_bits(theirs, ours), (theirs, ours)
+
+
 def test_snapshot_comparison_can_fail() -> None:
     """The comparison the scenarios rely on sees a one-ulp difference and a flipped NaN sign."""
     model = mlp()

@@ -310,12 +310,35 @@ def test_misuse_errors_name_the_call_and_the_fix() -> None:
     scaler.step(opt)
     with pytest.raises(RuntimeError, match=r"step\(\) has already been called.*HINT: call update"):
         scaler.step(opt)
-    with pytest.raises(RuntimeError, match=r"unscale_\(\) was called after step"):
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)\. HINT"):
         scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(\) was called after step"):
         scaler.clip_grad_norm_(opt, 1.0)
     with pytest.raises(RuntimeError, match="closure"):
         scaler.step(opt, closure=lambda: None)
+
+
+_MISUSES: dict[str, Callable[[Any, torch.optim.Optimizer], Any]] = {
+    "unscale twice": lambda scaler, opt: (scaler.unscale_(opt), scaler.unscale_(opt)),
+    "step twice": lambda scaler, opt: (scaler.step(opt), scaler.step(opt)),
+    "unscale after step": lambda scaler, opt: (scaler.step(opt), scaler.unscale_(opt)),
+    "step with a closure": lambda scaler, opt: scaler.step(opt, closure=lambda: None),
+}
+
+
+@pytest.mark.parametrize("misuse", sorted(_MISUSES))
+def test_order_errors_begin_with_grad_scalers_own_sentence(misuse: str) -> None:
+    # Code written against torch.amp.GradScaler that matches its messages keeps matching; the
+    # HINT comes after torch's words.
+    messages = []
+    for scaler in (torch.amp.GradScaler("cpu"), LossScaler("cpu")):
+        opt = _scaled_backward(scaler)
+        with pytest.raises(RuntimeError) as raised:
+            _MISUSES[misuse](scaler, opt)
+        messages.append(str(raised.value))
+    torch_says, we_say = messages
+    assert we_say.startswith(torch_says), (torch_says, we_say)
+    assert "HINT:" in we_say[len(torch_says) :]
 
 
 def test_sync_true_without_process_group_raises() -> None:
