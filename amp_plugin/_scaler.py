@@ -388,8 +388,8 @@ class LossScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError(
-                "Closure use is not currently supported if GradScaler is enabled. (LossScaler "
-                "neither: the closure's backward would not be scaled.) HINT: run the closure "
+                "Closure use is not currently supported if GradScaler is enabled. (Nor with a "
+                "LossScaler: the closure's backward would not be scaled.) HINT: run the closure "
                 "(forward + scaled backward) yourself, then call step()."
             )
         opt = unwrap_optimizer(optimizer)

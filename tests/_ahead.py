@@ -23,16 +23,14 @@ class RunsAhead(Generic[K, R]):
 
     def __init__(self, run: Callable[[K], R], workers: int = 2) -> None:
         self._run = run
-        self._workers = workers
+        self._pool = ThreadPoolExecutor(max_workers=workers)  # its threads start with the first run
         self._futures: dict[K, Future[R]] = {}
 
     def start(self, keys: Iterable[K]) -> None:
         """Queue the runs of ``keys`` not started yet, in that order."""
-        pool = ThreadPoolExecutor(max_workers=self._workers)
         for key in keys:
             if key not in self._futures:
-                self._futures[key] = pool.submit(self._run, key)
-        pool.shutdown(wait=False)
+                self._futures[key] = self._pool.submit(self._run, key)
 
     def result(self, key: K) -> R:
         """``key``'s run, started now if nobody started it yet."""
