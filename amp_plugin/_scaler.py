@@ -437,8 +437,8 @@ class LossScaler:
         found = self._iteration.flags(self._sync)
         if not found:
             raise RuntimeError(
-                "update() was called but no optimizer's gradients were checked for inf/NaN since the "
-                "last update(). HINT: " + _ORDER
+                "No inf checks were recorded prior to update. (No optimizer's gradients were "
+                "checked for inf/NaN since the last update().) HINT: " + _ORDER
             )
         self._last_skipped = self._iteration.skipped_on_host()  # known without a read where step() read
         # Only a spike flag that a step() of this iteration applied is counted (made there, once).

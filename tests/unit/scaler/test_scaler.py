@@ -302,7 +302,7 @@ def test_misuse_errors_name_the_call_and_the_fix() -> None:
     with pytest.raises(RuntimeError, match=r"update\(\) was called before scale"):
         scaler.update()
     opt = _scaled_backward(scaler)
-    with pytest.raises(RuntimeError, match=r"no optimizer's gradients were checked.*HINT"):
+    with pytest.raises(RuntimeError, match=r"No inf checks were recorded prior to update\. .*HINT"):
         scaler.update()
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called.*HINT"):
@@ -323,6 +323,7 @@ _MISUSES: dict[str, Callable[[Any, torch.optim.Optimizer], Any]] = {
     "step twice": lambda scaler, opt: (scaler.step(opt), scaler.step(opt)),
     "unscale after step": lambda scaler, opt: (scaler.step(opt), scaler.unscale_(opt)),
     "step with a closure": lambda scaler, opt: scaler.step(opt, closure=lambda: None),
+    "update without a step": lambda scaler, opt: scaler.update(),
 }
 
 
@@ -333,7 +334,7 @@ def test_order_errors_begin_with_grad_scalers_own_sentence(misuse: str) -> None:
     messages = []
     for scaler in (torch.amp.GradScaler("cpu"), LossScaler("cpu")):
         opt = _scaled_backward(scaler)
-        with pytest.raises(RuntimeError) as raised:
+        with pytest.raises((RuntimeError, AssertionError)) as raised:  # torch asserts a few
             _MISUSES[misuse](scaler, opt)
         messages.append(str(raised.value))
     torch_says, we_say = messages
