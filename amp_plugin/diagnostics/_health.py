@@ -115,7 +115,7 @@ class SkipHealth:
         self.flags.append(skipped)
         self._window_skips += skipped
         self.consecutive = self.consecutive + 1 if skipped else 0
-        in_warmup = self.scaled and self.steps <= self.warmup_steps
+        in_warmup = self.steps <= self._warmup
         self.skipped += skipped
         self.warmup_skipped += skipped and in_warmup
         if scale is not None:
@@ -125,6 +125,11 @@ class SkipHealth:
             return None
         self.state = state
         return HealthVerdict(state, reason, self.steps)
+
+    @property
+    def _warmup(self) -> int:
+        """The warm-up steps that apply: ``warmup_steps`` with a loss scale, none without one."""
+        return self.warmup_steps if self.scaled else 0
 
     def _classify(self, skipped: bool, in_warmup: bool) -> tuple[HealthState, str]:
         problems = []
@@ -145,8 +150,7 @@ class SkipHealth:
             limit = max(limit, STREAK_WARNING_AT)
         if self.consecutive >= limit:
             problems.append(f"{self.consecutive} steps in a row were skipped (limit {limit})")
-        warmup = self.warmup_steps if self.scaled else 0
-        window_after_warmup = len(self.flags) == self.window and self.steps - self.window >= warmup
+        window_after_warmup = len(self.flags) == self.window and self.steps - self.window >= self._warmup
         if window_after_warmup and self.skip_rate > self.max_skip_rate:
             problems.append(
                 f"{self.skip_rate:.1%} of the last {self.window} steps were skipped "

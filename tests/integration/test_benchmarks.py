@@ -236,15 +236,22 @@ def test_the_gpu_profile_script_runs_and_counts_the_calls_that_differ(tmp_path: 
     assert results["amp"]["calls_vs_mp_per_step"]["aten::item"] == 1  # the hold reads the fused flag
 
 
+def _load_script(script: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """``benchmarks/<script>`` as a module, for this test only (the scripts import ``_common``)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"_bench_{Path(script).stem}", BENCHMARKS / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("cases", [2, 3, 5, 6])
 def test_two_rounds_run_every_pair_of_cases_both_ways(cases: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # The GPU report's 2 rounds of 5 set-ups ran MixedPrecision before AMPPrecision both times under
     # plain rotation: a process that slows down fit after fit then favours the first of each pair.
-    spec = importlib.util.spec_from_file_location("_bench_common", BENCHMARKS / "_common.py")
-    assert spec is not None and spec.loader is not None
-    common = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, common)  # its dataclass looks its module up there
-    spec.loader.exec_module(common)
+    common = _load_script("_common.py", monkeypatch)
     names = [f"case{i}" for i in range(cases)]
     rounds = [common.round_order(names, r) for r in range(2)]
     assert all(sorted(order) == names for order in rounds)
@@ -281,12 +288,7 @@ def test_training_speed_times_the_spike_guard_against_the_same_guard_without_it(
 ) -> None:
     # The spike guard's cost target (<= 2% of a step) is a ratio of two rows of one run: the same
     # AMPPrecision bf16 with and without a guard watching both signals, on the transformer.
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its _common helper
-    spec = importlib.util.spec_from_file_location("_bench_training_speed", BENCHMARKS / "training_speed.py")
-    assert spec is not None and spec.loader is not None
-    speed = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, speed)  # its dataclasses look their module up there
-    spec.loader.exec_module(speed)
+    speed = _load_script("training_speed.py", monkeypatch)
     for device in ("cpu", "cuda"):
         assert (speed.AMP_BF16_SPIKE, speed.AMP_BF16, 0.98) in speed._checks("transformer", device)
         assert not [c for c in speed._checks("mlp", device) if speed.AMP_BF16_SPIKE in c]
