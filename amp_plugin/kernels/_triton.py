@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["sum_of_squares", "usable"]
+__all__ = ["read", "sum_of_squares", "usable"]
 
 # The tiling read fastest of seven tried on an H200 (400M fp32 gradients in 100 tensors: 0.44 ms,
 # against 0.51-0.54 ms for the others and 0.65 ms for torch._foreach_norm).
@@ -86,6 +87,8 @@ def usable(group: list[Tensor]) -> bool:
     first = group[0]
     if first.device.type != "cuda" or first.dtype not in _DTYPES or torch.compiler.is_compiling():
         return False
+    if first.device in _failed:
+        return False
     if torch.cuda.is_current_stream_capturing():  # a CUDA graph would keep one step's chunk table
         return False
     # Dense in memory from data_ptr() on (the order of the elements does not change a sum of squares).
@@ -136,6 +139,34 @@ def _plan(group: list[Tensor]) -> _Plan:
     else:
         _plans.move_to_end(key)
     return plan
+
+
+_failed: set[torch.device] = set()
+
+
+def read(group: list[Tensor]) -> Tensor | None:
+    """:func:`sum_of_squares` of ``group`` where :func:`usable`, else ``None`` (the caller reads it).
+
+    A device where Triton cannot build or launch the kernel (a GPU its compiler does not support)
+    is warned about once and left to the backend's own kernels from then on.
+
+    Example:
+        >>> read([torch.ones(3)]) is None  # a CPU tensor: torch's ops
+        True
+    """
+    if not usable(group):
+        return None
+    try:
+        return sum_of_squares(group)
+    except Exception as err:  # raised on the host while compiling or launching, before any result
+        _failed.add(group[0].device)
+        warnings.warn(
+            f"amp_plugin: the Triton norm kernel failed on {group[0].device} ({type(err).__name__}: {err}); "
+            "the backend's own kernels read the gradients there from now on.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def sum_of_squares(group: list[Tensor]) -> Tensor:

@@ -119,3 +119,18 @@ def test_a_fit_builds_its_chunk_tables_in_the_first_batches_only(monkeypatch: py
     assert len(builds) == 16 and sum(builds) >= 1, builds  # the kernel ran
     assert sum(builds[4:]) == 0, builds
 
+
+
+def test_a_kernel_that_fails_to_build_leaves_the_device_to_the_backends_own_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Unbuildable:
+        def __getitem__(self, grid: object) -> object:
+            raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(_triton, "_kernel", lambda: Unbuildable())
+    monkeypatch.setattr(_triton, "_failed", set())
+    grads = [torch.full((10,), 2.0, device="cuda")]
+    with pytest.warns(RuntimeWarning, match="Triton norm kernel failed on cuda.*no compiler"):
+        assert get_kernels("torch").norm(grads).item() == math.sqrt(40.0)
+    assert not _triton.usable(grads) and _triton.read(grads) is None  # once: torch's read from now on
