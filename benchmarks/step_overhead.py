@@ -10,7 +10,8 @@ Passes over the gradients in theory (a read+write counts 2, a read counts 1):
          flag in one read of the scaled grads, one multiply by clip_coef / scale
   (f)    LossScaler.clip_grad_norm_, fused optimizer: the same read, the   1 pass
          factor folded into the optimizer's grad_scale (its step is not timed here)
-  parts  one read (torch._foreach_norm), a multiply by a device factor (torch._foreach_mul_),
+  parts  one read (torch._foreach_norm; on CUDA also the Triton sum of squares that both backends'
+         norms take there, amp_plugin.kernels._triton), a multiply by a device factor (torch._foreach_mul_),
          torch's AMP unscale kernel with a device factor: where a clip path's time goes
   (c)    clip + step + update with torch.optim.AdamW(fused=True), GradScaler against LossScaler
 
@@ -48,7 +49,7 @@ from torch import Tensor
 
 from amp_plugin import LossScaler
 from amp_plugin._imports import apex_available
-from amp_plugin.kernels import BACKENDS, check_backend, get_kernels
+from amp_plugin.kernels import BACKENDS, _triton, check_backend, get_kernels
 
 INIT_SCALE = 2.0**16
 # Far beyond any run's number of updates, so the scale never grows while we time.
@@ -222,6 +223,9 @@ class Bench:
     def torch_read(self) -> None:
         torch._foreach_norm(self.grads)
 
+    def triton_read(self) -> None:
+        _triton.sum_of_squares(self.grads)  # the read behind both backends' CUDA norm
+
     def mul_device_factor(self) -> None:
         torch._foreach_mul_(self.grads, self.factor)  # the multiply of (b) and of torch's clip
 
@@ -284,7 +288,7 @@ def check(bench: Bench, backends: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def paths(backends: Sequence[str]) -> list[Row]:
+def paths(backends: Sequence[str], triton: bool = False) -> list[Row]:
     rows = [
         Row("floor_copy", "floor: one read+write copy (_foreach_copy_)", "torch", "2", "clip"),
         Row("a", "(a) GradScaler.unscale_ + clip_grad_norm_", "torch", "5", "clip"),
@@ -297,6 +301,9 @@ def paths(backends: Sequence[str]) -> list[Row]:
         Row("unscale_kernel", "    part: AMP unscale kernel, device factor", "torch", "2", "clip"),
         Row("c_gradscaler", "(c) GradScaler clip + step + update", "torch", "5 + step", "step"),
     ]
+    if triton:  # on CUDA, the read both backends' norms take there, after torch's
+        read = Row("read_triton", "    part: one read (Triton sum of squares)", "torch", "1", "clip")
+        rows.insert([row.key for row in rows].index("read_torch") + 1, read)
     rows += [
         Row(f"c_lossscaler_{k}", f"(c) LossScaler clip + step + update [{k}]", k, "1 + step (+1)", "step")
         for k in backends
@@ -316,6 +323,7 @@ def cases(bench: Bench, rows: Sequence[Row]) -> list[Case]:
         "floor_copy": bench.floor_copy,
         "a": lambda: bench.torch_clip(bench.holder),
         "read_torch": bench.torch_read,
+        "read_triton": bench.triton_read,
         "mul_tensor": bench.mul_device_factor,
         "unscale_kernel": bench.unscale_kernel,
         "c_gradscaler": lambda: bench.torch_clip_step(fused),
@@ -380,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("  ratio    clip rows vs the copy floor; step rows vs (c) GradScaler")
     print()
 
-    rows = paths(args.backends)
+    rows = paths(args.backends, triton=_triton.usable(bench.grads))
     samples = measure(cases(bench, rows), device=device, warmup=args.warmup, repeats=args.repeats)
     synchronize(device)
     ms = {key: median_ms(values) for key, values in samples.items()}

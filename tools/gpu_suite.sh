@@ -9,7 +9,8 @@
 #   SUITE_S / CUDA_S   the suite's and the cuda/apex tests' time limits in seconds
 #   CUDA=0   skip the cuda/apex-marked tests
 #   MAX_JOBS the amp_C build's compile jobs (default 4: the suite runs beside it)
-#   AFTER    a shell command run once the tests are done, with amp_C on PYTHONPATH (benchmarks)
+#   AFTER    a shell command run once the tests are done, with amp_C on PYTHONPATH (benchmarks:
+#            tools/gpu_after.sh)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONHASHSEED=0
 root=$(pwd); OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT

@@ -236,6 +236,22 @@ def test_the_gpu_profile_script_runs_and_counts_the_calls_that_differ(tmp_path: 
     assert results["amp"]["calls_vs_mp_per_step"]["aten::item"] == 1  # the hold reads the fused flag
 
 
+def test_the_gpu_norm_read_script_times_torchs_read_against_the_copy(tmp_path: Path) -> None:
+    """benchmarks/gpu/norm_read.py (outside the report): its CPU smoke run, where only torch's reads run."""
+    out = tmp_path / "norm_read.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu" / "norm_read.py"), "--quick", "--json", str(out)],
+        cwd=tmp_path, env=_cpu_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "amp_C and Triton run on CUDA only" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["200k fp32 / 20", "30k bf16 / 30"]
+    for layout in results.values():
+        assert list(layout["ms"]) == ["copy", "foreach"] and layout["x_copy"]["copy"] == 1.0
+        assert layout["rel_error_vs_fp64"]["foreach"] < 1e-5
+
+
 def _load_script(script: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """``benchmarks/<script>`` as a module, for this test only (the scripts import ``_common``)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))

@@ -18,7 +18,11 @@ end, batch 3 of a short ``Trainer.fit``:
   behind the step (a device-to-host copy, counted in place of that read) and checked as the next
   step starts, so a fused step adds no host read there.
 - host-to-device copies of CPU tensors and tensors made from Python data: none added (a pageable
-  copy waits for the stream; on a CPU machine only the tensors made from Python data can show).
+  copy waits for the stream; a non-blocking one from pinned memory does not, and is not counted; on
+  a CPU machine only the tensors made from Python data can show).
+
+On a GPU only the ops that touch a tensor on it (or make one there) are counted: an op on CPU
+tensors is host work, not a launch.
 
 For fp16, Lightning's ``MixedPrecision`` drives ``torch.amp.GradScaler``: that is torch's recipe.
 """
@@ -38,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaler
+from amp_plugin.kernels import _triton
 
 BATCH = 3  # counted: after the first batches, which create the scale, the flags and the optimizer state
 EXTRA_OPS = 6  # the guard's budget of aten ops per batch over MixedPrecision's
@@ -58,9 +63,19 @@ class StepCost(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.active and func.namespace == "aten":
+        if self.active and func.namespace == "aten" and self._on_device(args, kwargs):
             self._count(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _on_device(self, args: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether an op touches the device (on a GPU: host work on CPU tensors launches nothing)."""
+        if self.device_type == "cpu":
+            return True
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == self.device_type:
+            return True
+        leaves = tree_flatten((args, kwargs))[0]
+        return any(isinstance(t, Tensor) and t.device.type == self.device_type for t in leaves)
 
     def _count(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         name = func.overloadpacket.__name__
@@ -76,7 +91,9 @@ class StepCost(TorchDispatchMode):
             src, dst = (args[0], kwargs.get("device")) if name == "_to_copy" else (args[1], args[0].device)
             if isinstance(src, Tensor) and dst is not None:
                 on_host = src.device.type == "cpu", torch.device(dst).type == "cpu"
-                self.host_to_device += on_host == (True, False)
+                # A non-blocking copy from pinned memory does not wait for the stream.
+                waits = not (src.is_pinned() and kwargs.get("non_blocking", len(args) > 2 and args[2]))
+                self.host_to_device += on_host == (True, False) and waits
                 self.to_host += on_host == (False, True)
         if view:
             return  # a view reads nothing
@@ -89,6 +106,15 @@ class StepCost(TorchDispatchMode):
             }
             for ptr in touched & grads:
                 self.passes[ptr] += 2 if written else 1
+
+    def triton_read(self, group: list[Tensor]) -> None:
+        """The Triton norm kernel's launch, which no dispatch mode sees: one op and one read of ``group``."""
+        if not self.active:
+            return
+        self.ops["triton_sum_of_squares"] += 1
+        grads = {p.grad.untyped_storage().data_ptr() for p in self.params if p.grad is not None}
+        for ptr in {t.untyped_storage().data_ptr() for t in group} & grads:
+            self.passes[ptr] += 1
 
     @property
     def total(self) -> int:
@@ -148,7 +174,14 @@ def _cost(plugin: Any, device: str, fused: bool, clip: float | None) -> StepCost
         gradient_clip_val=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
-    with mode:
+    kernel = _triton.sum_of_squares
+
+    def counted(group: list[Tensor]) -> Tensor:
+        mode.triton_read(group)
+        return kernel(group)
+
+    with mode, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_triton, "sum_of_squares", counted)
         trainer.fit(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
     assert mode.total, "the counted batch did not run"
     return mode
