@@ -14,8 +14,8 @@ or NaN element makes its square, and so the sum, inf or NaN.
 Used by both backends' ``norm(exact=False)`` for fp32/fp16/bf16 groups of CUDA tensors that are
 contiguous (or channels-last contiguous) when Triton imports, outside ``torch.compile`` tracing and
 CUDA graph capture; anything else takes the backend's own kernels. A new set of gradient addresses
-(a chunk table built and sent, about 50 us of host time per 100 tensors) happens in the first
-steps of a run; then the caching allocator hands the gradients the same addresses each step.
+costs a chunk table built and sent (host time only, about 50 us per 100 tensors); gradients
+reallocated each step get the same addresses back from the caching allocator once the steps repeat.
 """
 
 from __future__ import annotations
