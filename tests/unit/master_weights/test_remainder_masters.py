@@ -117,8 +117,8 @@ def _call_with(loss_fn: Callable[[nn.Module, int], Tensor], step: int, model: nn
     return loss_fn(model, step)
 
 
-def _guard() -> LossScaler:
-    return LossScaler("cpu", init_scale=1.0, dynamic=False)  # checks and skips, scales nothing
+def _guard(device: str = "cpu") -> LossScaler:
+    return LossScaler(device, init_scale=1.0, dynamic=False)  # checks and skips, scales nothing
 
 
 def _states(opt: torch.optim.Optimizer) -> Iterator[tuple[str, Tensor]]:
@@ -143,9 +143,10 @@ def _assert_same(model: nn.Module, opt: torch.optim.Optimizer, ref: Reference) -
 def _run_against_reference(
     make_model: Callable[[], nn.Module], loss_fn: Callable[[nn.Module, int], Tensor],
     make_opt: Callable[..., Any], steps: int, poisoned: set[int], autocast: bool = False, defer: bool = True,
+    device: str = "cpu",
 ) -> tuple[int, int]:  # fmt: skip
     """Train ``steps`` steps both ways; returns (skipped steps, elements off RNE that were ties)."""
-    fp32 = make_model()
+    fp32 = make_model().to(device)
     model = copy.deepcopy(fp32)
     masters = cast_model(model, torch.bfloat16, master_weights="remainder")
     half = {n for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
@@ -153,11 +154,12 @@ def _run_against_reference(
     ref = Reference(fp32, half, make_opt)
     opt = make_opt(model.parameters())
     masters.attach(opt)
-    guard = _guard()
+    guard = _guard(device)
     _assert_same(model, opt, ref)  # the cast itself: bf16 = fp32 rounded half away, masters exact
+    kind = torch.device(device).type
 
     def context() -> Any:
-        return torch.autocast("cpu", torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+        return torch.autocast(kind, torch.bfloat16) if autocast else torch.autocast(kind, enabled=False)
 
     skipped = ties = 0
     for step in range(steps):
@@ -220,7 +222,8 @@ def test_every_fp32_bit_pattern_class_round_trips_exactly() -> None:
 
 
 def _mlp_loss(model: nn.Module, step: int) -> Tensor:
-    x, y = _batch(step)
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in _batch(step))
     dtype = next(p.dtype for p in model.parameters() if p.dtype == torch.bfloat16)
     return (model(x.to(dtype)).float() - y).square().mean()
 
@@ -237,6 +240,19 @@ def test_200_adamw_steps_with_injected_infs_match_the_fp32_master_reference_bit_
     skipped, ties = _run_against_reference(_model, _mlp_loss, make_opt, 200, poisoned, defer=defer)
     assert skipped == 4
     assert ties < 20  # about one element in 2**17 per step (every 5th step looked at), off RNE
+
+
+@pytest.mark.parametrize("flavour", [{"foreach": True}, {"fused": True}])
+def test_adamw_on_each_device_matches_the_fp32_master_reference_bit_for_bit(
+    device: str, flavour: dict[str, Any]
+) -> None:
+    """The rebuild, the step and the split on the device's own kernels (fused AdamW's among them)."""
+
+    def make_opt(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01, **flavour)
+
+    skipped, _ = _run_against_reference(_model, _mlp_loss, make_opt, 60, {3, 40}, device=device)
+    assert skipped == 2
 
 
 @pytest.mark.slow  # 400 forward and backward passes of a transformer under CPU bf16 autocast
