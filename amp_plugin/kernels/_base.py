@@ -83,6 +83,10 @@ def group_by_device_and_dtype(
         >>> [(device.type, dtype, len(group)) for (device, dtype), group in groups.items()]
         [('cpu', torch.float32, 1), ('cpu', torch.float16, 1)]
     """
+    if tensors:  # the usual case, one device and one dtype and no empty tensor, without a dict per tensor
+        device, dtype = tensors[0].device, tensors[0].dtype
+        if all(t.dtype is dtype and t.numel() and t.device == device for t in tensors):
+            return {(device, dtype): list(tensors)}
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for tensor in tensors:
         if tensor.numel():
@@ -100,4 +104,6 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
         >>> to_device(torch.ones(2), torch.device("cpu"))
         tensor([1., 1.])
     """
+    if tensor.device == device:  # what .to() would return, without its argument parsing
+        return tensor
     return tensor.to(device, non_blocking=device.type != "cpu")
