@@ -1,8 +1,8 @@
 """The fp32 sum of squares of many CUDA tensors in one Triton launch: the scaled gradients' 2-norm.
 
 Why not ``torch._foreach_norm``: its multi-tensor launcher (and Apex's ``multi_tensor_l2norm``) hands
-a launch at most 320 chunks of 65536 elements, so 400M gradients take 19 launches, each of which
-leaves most of the GPU idle at its tail. On an H200 that read of 1.6 GB took 0.65 ms, where a copy
+a launch at most 320 chunks of 65536 elements, so 400M gradients take 19 launches, each ending in
+a tail where the GPU is partly idle. On an H200 that read of 1.6 GB took 0.65 ms, where a copy
 moved 3.2 GB in 0.95 ms; this kernel took 0.44 ms (docs/kernels.md, "The CUDA norm kernel").
 Here every chunk of every tensor is one program of a single launch: a table of chunk addresses and
 lengths (built on the host, cached by the tensors' addresses, sent with a non-blocking copy from
@@ -14,8 +14,8 @@ or NaN element makes its square, and so the sum, inf or NaN.
 Used by both backends' ``norm(exact=False)`` for fp32/fp16/bf16 groups of CUDA tensors that are
 contiguous (or channels-last contiguous) when Triton imports, outside ``torch.compile`` tracing and
 CUDA graph capture; anything else takes the backend's own kernels. A new set of gradient addresses
-costs a chunk table built and sent (host time only); gradients
-reallocated each step get the same addresses back from the caching allocator once the steps repeat.
+costs a chunk table built and sent (host time only); gradients reallocated each step get the same
+addresses back from the caching allocator once the steps repeat.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import Tensor
 __all__ = ["read", "sum_of_squares", "usable"]
 
 # The tiling read fastest of seven tried on an H200 (400M fp32 gradients in 100 tensors: 0.44 ms,
-# against 0.51-0.54 ms for the others and 0.65 ms for torch._foreach_norm).
+# against 0.49-0.54 ms for the others and 0.65 ms for torch._foreach_norm).
 _CHUNK = 1 << 16  # elements per program: 256 KB of fp32
 _BLOCK = 1024  # lanes per program; each sums _CHUNK / _BLOCK elements before the lanes are added
 _WARPS = 4
@@ -132,7 +132,7 @@ _plans: OrderedDict[tuple[Any, ...], _Plan] = OrderedDict()
 def _plan(group: list[Tensor]) -> _Plan:
     # Built by C-level maps: this runs on every call (100 tensors: about 14 us, against 20 us by a loop).
     addresses, sizes = tuple(map(Tensor.data_ptr, group)), tuple(map(Tensor.numel, group))
-    key = (group[0].device, group[0].dtype, addresses, sizes)
+    key = (group[0].device, group[0].dtype, _CHUNK, addresses, sizes)  # a table is of one chunk size
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(group)

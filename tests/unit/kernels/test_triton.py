@@ -134,3 +134,14 @@ def test_a_kernel_that_fails_to_build_leaves_the_device_to_the_backends_own_read
     with pytest.warns(RuntimeWarning, match="Triton norm kernel failed on cuda.*no compiler"):
         assert get_kernels("torch").norm(grads).item() == math.sqrt(40.0)
     assert not _triton.usable(grads) and _triton.read(grads) is None  # once: torch's read from now on
+
+
+def test_another_tiling_builds_its_own_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/gpu/norm_read.py times several tilings over the same gradients."""
+    _needs_triton()
+    group = [torch.randn(5 * 4096 + 3, device="cuda")]
+    truth = _fp64_sum_of_squares(group)
+    for chunk, block in ((16384, 1024), (4096, 512), (65536, 1024)):
+        monkeypatch.setattr(_triton, "_CHUNK", chunk)
+        monkeypatch.setattr(_triton, "_BLOCK", block)
+        assert math.isclose(_triton.sum_of_squares(group).item(), truth, rel_tol=1e-6), chunk
