@@ -117,7 +117,7 @@ def test_a_fit_builds_its_chunk_tables_in_the_first_batches_only(monkeypatch: py
     )  # fmt: skip
     trainer.fit(Model(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
     assert len(builds) == 16 and sum(builds) >= 1, builds  # the kernel ran
-    assert sum(builds[4:]) == 0, builds
+    assert sum(builds[8:]) == 0, builds  # settled within the first half of the run
 
 
 
