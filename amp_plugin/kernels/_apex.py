@@ -146,8 +146,8 @@ class ApexKernels:
             _fold_flag(flag, found_inf)
 
     def _l2norm(self, group: list[Tensor]) -> Tensor:
-        if (squares := _triton.read(group)) is not None:  # faster than multi_tensor_l2norm (kernels._triton)
-            return squares.sqrt()
+        if (total := _triton.norm(group)) is not None:  # faster than multi_tensor_l2norm (kernels._triton)
+            return total
         # The flag is dropped: it also fires on finite squares that overflow fp32 (see module docstring).
         result: tuple[Tensor, Any] = self._applier(
             self._amp_c.multi_tensor_l2norm, _zero_flag(group[0].device), [group], False

@@ -138,8 +138,8 @@ def _group_norm(group: list[Tensor], norm_type: float) -> Tensor:
     # against 1.7e-3 for torch's reduction: about 3x smaller with one thread, the worst case.
     # Below _DOT_MIN_ELEMENTS the per-tensor calls cost more than the reduction saves.
     tensor = group[0]
-    if norm_type == 2.0 and tensor.device.type == "cuda" and (summed := _triton.read(group)) is not None:
-        return summed.sqrt()
+    if norm_type == 2.0 and (kernel_norm := _triton.norm(group)) is not None:
+        return kernel_norm
     if norm_type != 2.0 or tensor.device.type != "cpu" or tensor.dtype != torch.float32:
         return _foreach_group_norm(group, norm_type)
     if sum(t.numel() for t in group) < _DOT_MIN_ELEMENTS:

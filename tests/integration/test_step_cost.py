@@ -97,7 +97,7 @@ class StepCost(TorchDispatchMode):
                 self.to_host += on_host == (False, True)
         if view:
             return  # a view reads nothing
-        grads = {p.grad.untyped_storage().data_ptr() for p in self.params if p.grad is not None}
+        grads = self._grad_storages()
         for index, arg in enumerate(schema.arguments):
             value = args[index] if index < len(args) else kwargs.get(arg.name)
             written = arg.alias_info is not None and arg.alias_info.is_write
@@ -112,9 +112,11 @@ class StepCost(TorchDispatchMode):
         if not self.active:
             return
         self.ops["triton_sum_of_squares"] += 1
-        grads = {p.grad.untyped_storage().data_ptr() for p in self.params if p.grad is not None}
-        for ptr in {t.untyped_storage().data_ptr() for t in group} & grads:
+        for ptr in {t.untyped_storage().data_ptr() for t in group} & self._grad_storages():
             self.passes[ptr] += 1
+
+    def _grad_storages(self) -> set[int]:
+        return {p.grad.untyped_storage().data_ptr() for p in self.params if p.grad is not None}
 
     @property
     def total(self) -> int:

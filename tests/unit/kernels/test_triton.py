@@ -133,7 +133,7 @@ def test_a_kernel_that_fails_to_build_leaves_the_device_to_the_backends_own_read
     grads = [torch.full((10,), 2.0, device="cuda")]
     with pytest.warns(RuntimeWarning, match="Triton norm kernel failed on cuda.*no compiler"):
         assert get_kernels("torch").norm(grads).item() == math.sqrt(40.0)
-    assert not _triton.usable(grads) and _triton.read(grads) is None  # once: torch's read from now on
+    assert not _triton.usable(grads) and _triton.norm(grads) is None  # once: torch's read from now on
 
 
 def test_another_tiling_builds_its_own_table(monkeypatch: pytest.MonkeyPatch) -> None:
