@@ -1,7 +1,8 @@
 """Reference backend (``"torch"``): torch's own fused multi-tensor ``_foreach`` ops, on CPU and CUDA.
 
 Every launch is per ``(device, dtype)`` group, zero-numel tensors are skipped, and no
-operation reads a value back to the host.
+operation reads a value back to the host. On a CPU, where torch's multi-tensor ops run one tensor
+at a time whatever the dtypes, the unscale is one call over every tensor, without grouping.
 
 **Two CUDA rules of torch's ops** (torch 2.11 to 2.13, ``aten/src/ATen/native/cuda``) that the
 contract's "fp32 math with the fp32 factor, rounded once" has to be routed around; each is a
