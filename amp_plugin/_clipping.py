@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import Kernels
-from amp_plugin.kernels._base import group_by_device_and_dtype, to_device
+from amp_plugin.kernels._base import group_by_device_and_dtype, to_device, untracked
 
 __all__ = [
     "ClipResult",
@@ -154,7 +154,7 @@ def clamp_(grads: Sequence[Tensor], clip_value: float) -> None:
         return
     # The CPU runs multi-tensor ops one tensor at a time, whatever their dtypes: no grouping to pay for.
     groups = [list(grads)] if grads[0].device.type == "cpu" else group_by_device_and_dtype(grads).values()
-    with torch.no_grad():
+    with untracked():
         for group in groups:
             torch._foreach_clamp_min_(group, -clip_value)
             torch._foreach_clamp_max_(group, clip_value)

@@ -826,7 +826,7 @@ class LossScaler:
         shards = local_shards(grads)
         if rewrite and into is not None and not want and clipping.rewrite_pays(shards, into):
             try:
-                self._backend().unscale_(shards, self._one, into)
+                self._backend().inner.unscale_(shards, self._one, into)  # local shards already
                 return into
             except RuntimeError:  # a gradient that cannot be written (an expanded view): the norms read it
                 pass

@@ -1,7 +1,8 @@
 """Reference backend (``"torch"``): torch's own fused multi-tensor ``_foreach`` ops, on CPU and CUDA.
 
 Every launch is per ``(device, dtype)`` group, zero-numel tensors are skipped, and no
-operation reads a value back to the host.
+operation reads a value back to the host. On a CPU, where torch's multi-tensor ops run one tensor
+at a time whatever the dtypes, the unscale is one call over every tensor, without grouping.
 
 **Two CUDA rules of torch's ops** (torch 2.11 to 2.13, ``aten/src/ATen/native/cuda``) that the
 contract's "fp32 math with the fp32 factor, rounded once" has to be routed around; each is a
@@ -35,11 +36,12 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import _triton
-from amp_plugin.kernels._base import group_by_device_and_dtype, to_device
+from amp_plugin.kernels._base import group_by_device_and_dtype, to_device, untracked
 
 __all__ = ["TorchKernels"]
 
 _GroupNorm = Callable[[list[Tensor], float], Tensor]
+CPU = torch.device("cpu")
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
 
@@ -64,7 +66,12 @@ class TorchKernels:
     mul_rounds_factor_on: ClassVar[frozenset[str]] = frozenset({"cuda"})
 
     def unscale_(self, tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
-        with torch.no_grad():
+        with untracked():
+            if found_inf.is_cpu and self._cpu_op_takes(tensors):
+                # The CPU op unscales one tensor at a time, of any dtype, empty ones too: no grouping.
+                factor = to_device(inv_scale, CPU)
+                torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found_inf, factor)
+                return
             for (device, dtype), group in group_by_device_and_dtype(tensors).items():
                 factor = to_device(inv_scale, device)
                 flag = found_inf if device == found_inf.device else _zero_flag(device)
@@ -78,11 +85,17 @@ class TorchKernels:
                 if flag is not found_inf:
                     torch.maximum(found_inf, to_device(flag, found_inf.device), out=found_inf)
 
+    def _cpu_op_takes(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether every tensor is on the CPU, where torch's unscale op has a kernel for every dtype."""
+        if any(kind == "cpu" for kind, _ in self.unscale_op_lacks):  # a test's CPU that follows CUDA's rules
+            return False
+        return all(tensor.is_cpu for tensor in tensors)
+
     def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor:
         return _total_norm(tensors, norm_type, _foreach_group_norm if exact else _group_norm)
 
     def mul_(self, tensors: Sequence[Tensor], factor: Tensor) -> None:
-        with torch.no_grad():
+        with untracked():
             for (device, _), group in group_by_device_and_dtype(tensors).items():
                 self._mul_group(group, to_device(factor, device))
 

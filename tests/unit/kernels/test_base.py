@@ -143,6 +143,20 @@ def test_nothing_to_do_is_fine(backend: Backend, tensors: list[Tensor]) -> None:
     assert (norm.item(), norm.dtype, norm.shape) == (0.0, FP32, ())
 
 
+def test_gradients_with_autograd_history_are_written_without_recording_any(backend: Backend) -> None:
+    """A ``create_graph=True`` backward leaves gradients that require grad: written in place, no history."""
+    weights = [torch.ones(3, device=backend.device, requires_grad=True) for _ in range(2)]
+    loss = sum((w**3).sum() for w in weights) * 4.0  # each gradient 12 * w**2 = 12, with a graph of its own
+    grads = list(torch.autograd.grad(loss, weights, create_graph=True))
+    assert all(g.requires_grad for g in grads)
+    before = [g.grad_fn for g in grads]
+    found_inf = backend.zeros()
+    backend.kernels.unscale_(grads, backend.scalar(0.5), found_inf)
+    backend.kernels.mul_(grads, backend.scalar(0.5))
+    assert [g.tolist() for g in grads] == [[3.0] * 3] * 2 and found_inf.item() == 0.0
+    assert [g.grad_fn for g in grads] == before  # nothing recorded: the graph is the backward's own
+
+
 def test_huge_finite_values_are_not_an_overflow(backend: Backend) -> None:
     """Only non-finite inputs count: not amp_C's norm flag on fp32 squares, not outputs that overflow."""
     grads = [
