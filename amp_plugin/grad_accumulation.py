@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from amp_plugin._validation import fail
+
 __all__ = ["Fp32GradAccumulation"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -55,10 +57,11 @@ class Fp32GradAccumulation:
     """
 
     def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        checked = _checked_params(params)
         self._sums: dict[int, Tensor] = {}
         self._handles: list[RemovableHandle] = []
         self._hooked: set[int] = set()
-        for param in params:
+        for param in checked:  # a generator is consumed once, by the check
             if id(param) in self._hooked or not param.requires_grad or param.dtype not in _HALF:
                 continue
             self._hooked.add(id(param))
@@ -172,3 +175,20 @@ if dist.is_available():  # DDP checks a comm hook's annotations at run time; pos
     _average_sums.__annotations__.update(
         {"bucket": getattr(dist, "GradBucket"), "return": torch.futures.Future[Tensor]}  # noqa: B009
     )
+
+
+def _checked_params(params: object) -> list[Tensor]:
+    """``params`` as a list of tensors; anything else refused (``TypeError``) before a hook is made."""
+    call, hint = "Fp32GradAccumulation", "pass model.parameters() (or a list of the ones to accumulate)."
+    allowed, passed = "an iterable of parameters (tensors)", f"params={type(params).__name__}"
+    if isinstance(params, nn.Module):
+        why = "it is a module, not its parameters"
+        fail(call, passed=passed, why=why, allowed=allowed, hint=hint, error=TypeError)
+    if isinstance(params, Tensor) or not isinstance(params, Iterable):
+        fail(call, passed=passed, allowed=allowed, hint=hint, error=TypeError)
+    checked = list(params)
+    stray = next((p for p in checked if not isinstance(p, Tensor)), None)
+    if stray is not None:
+        passed = f"params=[..., {type(stray).__name__}]"
+        fail(call, passed=passed, allowed=allowed, hint=hint, error=TypeError)
+    return checked

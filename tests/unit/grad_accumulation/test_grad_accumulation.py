@@ -125,3 +125,20 @@ def test_a_backward_with_create_graph_keeps_the_sums_out_of_autograd() -> None:
     acc.flush_([(w, w)])
     assert w.grad is not None and not w.grad.requires_grad and w.grad.tolist() == [4.0, 4.0]
     acc.remove()
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (3, r"Fp32GradAccumulation\(params=int\).*HINT: pass model.parameters\(\)"),
+        (nn.Linear(2, 2), r"params=Linear.*a module, not its parameters.*HINT: pass model.parameters\(\)"),
+        ([nn.Parameter(torch.ones(1, dtype=torch.bfloat16)), "w"], r"params=\[\.\.\., str\].*HINT"),
+    ],
+)
+def test_what_is_not_parameters_is_refused_before_anything_is_hooked(params: object, match: str) -> None:
+    first = params[0] if isinstance(params, list) else None
+    with pytest.raises(TypeError, match=match):
+        Fp32GradAccumulation(params)  # type: ignore[arg-type]
+    if isinstance(first, nn.Parameter):  # nothing half-applied: its gradient reaches .grad as without us
+        (first * 2.0).sum().backward()
+        assert first.grad is not None and first.grad.item() == 2.0
