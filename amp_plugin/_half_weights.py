@@ -182,29 +182,33 @@ class HalfWeights:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def on_save(self, checkpoint: dict[str, Any], entry: dict[str, Any]) -> None:
-        """The rounding state into ``entry`` (the fp32 masters are in ``state_dict`` already)."""
-        if states := self._rounding_states():
-            entry["rounding"] = states
+    def rounding_state(self) -> list[dict[str, Any]] | None:
+        """The roundings' generator states (one per optimizer), or ``None`` where none rounds stochastically.
 
-    def check(self, checkpoint: dict[str, Any], entry: object) -> None:
-        """Raise ``ValueError`` if :meth:`on_load` would refuse ``checkpoint``; change nothing."""
-        if self.masters is not None and len(self.masters) and isinstance(checkpoint.get("state_dict"), dict):
-            self.masters.check_fp32_state_dict(checkpoint["state_dict"])
-        states = entry.get("rounding") if isinstance(entry, dict) else None
-        if states is not None and not (
-            isinstance(states, list) and all(RoundedUpdates.is_state(state) for state in states)
+        The fp32 masters are not here: they are the model's own ``state_dict()``.
+        """
+        return self._rounding_states() or None
+
+    def check(self, rounding: object, model_state: object = None) -> None:
+        """Raise ``ValueError`` if ``rounding`` or the masters in ``model_state`` would not load.
+
+        ``model_state``: the model's state dict beside it in a checkpoint, whose fp32 master entries
+        must fit the masters (``None``: not known here).
+        """
+        if self.masters is not None and len(self.masters) and isinstance(model_state, dict):
+            self.masters.check_fp32_state_dict(model_state)
+        if rounding is not None and not (
+            isinstance(rounding, list) and all(RoundedUpdates.is_state(state) for state in rounding)
         ):
             raise ValueError(
-                f"The checkpoint's {'amp_plugin'!r} entry has a 'rounding' of {type(states).__name__} "
-                f"{states!r:.80}; expected the list RoundedUpdates.state_dict() gives per optimizer. "
+                f"The checkpoint's {'amp_plugin'!r} entry has a 'rounding' of {type(rounding).__name__} "
+                f"{rounding!r:.80}; expected the list RoundedUpdates.state_dict() gives per optimizer. "
                 "HINT: the checkpoint is corrupt; resume without ckpt_path or fix the entry."
             )
 
-    def on_load(self, checkpoint: dict[str, Any], entry: object) -> None:
+    def load(self, rounding: object) -> None:
         """Restore the rounding state (the model's own ``load_state_dict`` filled the fp32 masters)."""
-        states = entry.get("rounding") if isinstance(entry, dict) else None
-        if isinstance(states, list):
-            self._rng_states = states
-            for rounder, state in zip(self._rounders.values(), states, strict=False):
+        if isinstance(rounding, list):
+            self._rng_states = rounding
+            for rounder, state in zip(self._rounders.values(), rounding, strict=False):
                 rounder.load_state_dict(state)

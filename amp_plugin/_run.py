@@ -50,7 +50,10 @@ from amp_plugin.precision import Precision, check_precision, default_dtype, true
 from amp_plugin.rounded_updates import ROUNDINGS
 from amp_plugin.spike import SpikeGuard, check_spike_guard
 
-__all__ = ["AMPRun", "RunOptions", "assigned_scaler", "guard_of", "load_scaler_state"]
+__all__ = ["STATE_EXTRAS", "AMPRun", "RunOptions", "assigned_scaler", "guard_of", "load_scaler_state"]
+
+STATE_EXTRAS = ("guard", "rounding")
+"""The keys of :meth:`AMPRun.state_dict` beside the loss scaler's own: the guard's state, the rounding's."""
 
 Say = Callable[[str, bool], None]
 """Says a message on rank zero: ``say(message, warn)``, a warning if ``warn``, else information."""
@@ -458,35 +461,56 @@ class AMPRun:
         state = {} if scaler is None else scaler.state_dict()
         if scaler is None and guard is not None:  # the guard's skip counts resume too
             state["guard"] = guard.state_dict()
-        if self.half is not None:
-            self.half.on_save({}, state)  # the rounding generators
+        if self.half is not None and (rounding := self.half.rounding_state()) is not None:
+            state["rounding"] = rounding
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load :meth:`state_dict`'s result, or a ``GradScaler``'s state; everything is checked first.
+    def check_state_dict(self, state: dict[str, Any] | None, model_state: object = None) -> None:
+        """Raise ``ValueError``/``TypeError`` if :meth:`load_state_dict` would refuse a part; change nothing.
 
-        Refused (``ValueError``/``TypeError``, nothing changed): a part that would not load. A state
-        from another precision is said (``say``): a scale in a run without a scaler is ignored, and
-        an fp16 run loading a state without one starts its scale afresh.
+        ``state`` as for :meth:`load_state_dict`; ``model_state``: the model's state dict beside it
+        in a checkpoint, whose fp32 master entries must fit the master weights (``None``: unknown).
         """
-        scaler, guard, half = self._scaler, self.guard, self.half
-        scaler_state = {k: v for k, v in state.items() if k not in ("guard", "rounding")}
-        # A bf16/fp32 guard's state; with a loss scaler, the scaler is the guard and its state the top level.
-        guard_state = state.get("guard") if scaler is None and guard is not None else None
-        guard_state = guard_state if isinstance(guard_state, dict) and guard_state else None
+        scaler_state, guard_state, rounding = self._parts(state)
+        scaler, guard = self._scaler, self.guard
         if scaler is not None and scaler_state:
             scaler.check_state_dict(scaler_state)
         if guard is not None and guard_state is not None:
             guard.check_state_dict(guard_state)
-        if half is not None:
-            half.check({}, state)
-        note = load_scaler_state(scaler, scaler_state)
-        if note is not None:
-            self.say(note, True)
+        if self.half is not None:
+            self.half.check(rounding, model_state)
+
+    def load_state_dict(self, state: dict[str, Any] | None, model_state: object = None) -> None:
+        """Load :meth:`state_dict`'s result, or a ``GradScaler``'s state; everything is checked first.
+
+        Refused (``ValueError``/``TypeError``, nothing changed): a part that would not load
+        (:meth:`check_state_dict`). ``None`` is a checkpoint without any: only ``model_state`` is
+        checked. A state from another precision is said (``say``): a scale in a run without a
+        scaler is ignored, and an fp16 run loading a state without one starts its scale afresh.
+        """
+        self.check_state_dict(state, model_state)
+        if state is None:
+            return
+        scaler_state, guard_state, rounding = self._parts(state)
+        # The scaler or the guard first: each refuses a load in the middle of an iteration.
+        note = load_scaler_state(self._scaler, scaler_state)
+        guard = self.guard
         if guard is not None and guard_state is not None:
             guard.load_state_dict(guard_state)
-        if half is not None:
-            half.on_load({}, state)
+        if self.half is not None:
+            self.half.load(rounding)
+        if note is not None:
+            self.say(note, True)
+
+    def _parts(self, state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any] | None, object]:
+        """``state``'s scaler part, the guard's (where a guard checks, not a scaler), the rounding's."""
+        if state is None:
+            return {}, None, None
+        scaler_state = {key: value for key, value in state.items() if key not in STATE_EXTRAS}
+        # With a loss scaler, the scaler is the guard and its state the top level.
+        guard_state = state.get("guard") if self._scaler is None else None
+        guard_state = guard_state if isinstance(guard_state, dict) and guard_state else None
+        return scaler_state, guard_state, state.get("rounding")
 
     def teardown(self) -> None:
         """End of a fit: settle what waits for a next step (a held scheduler's check); unhook half weights

@@ -1,8 +1,10 @@
-"""Where ``AMPPrecision`` keeps the loss-scaler state in a Lightning checkpoint, and how it reads it back.
+"""Where ``AMPPrecision`` keeps its run's state in a Lightning checkpoint, and how it reads it back.
 
 The entry sits under :data:`CHECKPOINT_KEY`, not under the plugin's class name as Lightning would
-file a non-empty ``Precision.state_dict``: a rename or a subclass would orphan that. A checkpoint
-written by Lightning's ``MixedPrecision`` (under its class name, or the pre-2.0
+file a non-empty ``Precision.state_dict``: a rename or a subclass would orphan that. It holds the
+precision and :meth:`AMPRun.state_dict <amp_plugin._run.AMPRun.state_dict>` with the scaler's part
+under ``"scaler"``; the run checks and loads it (:meth:`~amp_plugin._run.AMPRun.load_state_dict`).
+A checkpoint written by Lightning's ``MixedPrecision`` (under its class name, or the pre-2.0
 ``native_amp_scaling_state``) loads too; and the other way round, an fp16 run also writes its
 scale where Lightning's ``MixedPrecision`` reads it (its class name), in ``GradScaler``'s five
 keys, so going back to Lightning resumes the scale.
@@ -10,25 +12,21 @@ keys, so going back to Lightning resumes the scale.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
 from amp_plugin import _run as run_state
+from amp_plugin._run import STATE_EXTRAS, AMPRun
 from amp_plugin._scaler import LossScaler
-
-if TYPE_CHECKING:
-    from amp_plugin._half_weights import HalfWeights
 
 __all__ = [
     "CHECKPOINT_KEY",
-    "check_entry",
-    "check_scaler_state",
     "checkpoint_entry",
     "grad_scaler_state",
-    "load_entry",
     "load_scaler_state",
-    "save_entry",
+    "run_state_of",
+    "save",
     "scaler_state",
 ]
 
@@ -40,30 +38,38 @@ _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 _GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
-def checkpoint_entry(precision: str, scaler: LossScaler | None) -> dict[str, Any]:
-    """What ``AMPPrecision`` saves under :data:`CHECKPOINT_KEY`: its precision and the scaler's state.
+def checkpoint_entry(precision: str, state: dict[str, Any]) -> dict[str, Any]:
+    """What ``AMPPrecision`` saves under :data:`CHECKPOINT_KEY`: its precision and its run's ``state``.
+
+    ``state`` is :meth:`AMPRun.state_dict <amp_plugin._run.AMPRun.state_dict>`'s: the scaler's
+    keys go under ``"scaler"``, the guard's and the rounding's state beside it.
 
     Example:
-        >>> entry = checkpoint_entry("16-mixed", LossScaler("cpu", init_scale=8.0))
+        >>> entry = checkpoint_entry("16-mixed", LossScaler("cpu", init_scale=8.0).state_dict())
         >>> entry["precision"], entry["scaler"]["scale"]
         ('16-mixed', 8.0)
-        >>> checkpoint_entry("bf16-mixed", None)
+        >>> checkpoint_entry("bf16-mixed", {})
         {'precision': 'bf16-mixed', 'scaler': {}}
     """
-    return {"precision": precision, "scaler": scaler.state_dict() if scaler is not None else {}}
+    entry = {"precision": precision, "scaler": {k: v for k, v in state.items() if k not in STATE_EXTRAS}}
+    entry.update((key, state[key]) for key in STATE_EXTRAS if key in state)
+    return entry
 
 
-def grad_scaler_state(scaler: LossScaler) -> dict[str, Any]:
-    """The part of ``scaler``'s state a ``torch.amp.GradScaler`` loads: its five keys (empty if disabled).
+def grad_scaler_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The part of a scaler ``state`` a ``torch.amp.GradScaler`` loads: its five keys (empty without them).
 
     What Lightning's own plugins restore their scaler from, so that going back to them keeps the scale.
 
     Example:
-        >>> sorted(grad_scaler_state(LossScaler("cpu", init_scale=8.0, hysteresis=2)))
+        >>> sorted(grad_scaler_state(LossScaler("cpu", init_scale=8.0, hysteresis=2).state_dict()))
         ['_growth_tracker', 'backoff_factor', 'growth_factor', 'growth_interval', 'scale']
+        >>> grad_scaler_state({"guard": {}})
+        {}
     """
-    state = scaler.state_dict()
-    return {key: state[key] for key in _GRAD_SCALER_KEYS} if state else {}
+    if not all(key in state for key in _GRAD_SCALER_KEYS):
+        return {}
+    return {key: state[key] for key in _GRAD_SCALER_KEYS}
 
 
 def scaler_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -92,20 +98,25 @@ def scaler_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     return entry["scaler"]  # type: ignore[no-any-return]
 
 
-def check_scaler_state(checkpoint: dict[str, Any], scaler: LossScaler | None) -> None:
-    """Raise ``ValueError`` if the checkpoint's scaler state would not load into ``scaler``; change nothing.
+def run_state_of(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's state in a checkpoint, as :meth:`AMPRun.state_dict <amp_plugin._run.AMPRun.state_dict>`
+    gives it (ours, or the ``GradScaler`` state of Lightning's ``MixedPrecision``); ``None`` if it has none.
+
+    Raises:
+        ValueError: the entry under :data:`CHECKPOINT_KEY` is not a dict with a dict ``"scaler"``.
 
     Example:
-        >>> scaler = LossScaler("cpu")
-        >>> check_scaler_state({CHECKPOINT_KEY: {"scaler": LossScaler("cpu").state_dict()}}, scaler)
-        >>> check_scaler_state({CHECKPOINT_KEY: ["not", "a", "dict"]}, scaler)
-        Traceback (most recent call last):
-        ...
-        ValueError: The checkpoint's 'amp_plugin' entry is list ['not', 'a', 'dict']; ... HINT: ...
+        >>> run_state_of({CHECKPOINT_KEY: {"precision": "bf16-mixed", "scaler": {}, "guard": {"a": 1}}})
+        {'guard': {'a': 1}}
+        >>> run_state_of({"MixedPrecision": {"scale": 4.0}}), run_state_of({})
+        ({'scale': 4.0}, None)
     """
     state = scaler_state(checkpoint)
-    if state and scaler is not None and scaler.is_enabled():
-        scaler.check_state_dict(state)
+    if state is None:
+        return None
+    entry = checkpoint.get(CHECKPOINT_KEY)
+    extras = {key: entry[key] for key in STATE_EXTRAS if key in entry} if isinstance(entry, dict) else {}
+    return {**state, **extras}
 
 
 def load_scaler_state(scaler: LossScaler | None, state_dict: dict[str, Any]) -> None:
@@ -124,87 +135,22 @@ def load_scaler_state(scaler: LossScaler | None, state_dict: dict[str, Any]) -> 
         rank_zero_warn(note, stacklevel=5)
 
 
-def save_entry(
-    checkpoint: dict[str, Any],
-    precision: str,
-    scaler: LossScaler | None,
-    guard: LossScaler | None,
-    half: HalfWeights | None,
-) -> None:
-    """Write the plugin's entry: precision, the scaler state (or a bf16/fp32 guard's), the half weights'.
+def save(checkpoint: dict[str, Any], run: AMPRun) -> None:
+    """Write the run's entry; with a loss scaler, its ``GradScaler`` part also under ``"MixedPrecision"``.
 
-    With a loss scaler, its ``GradScaler`` part also goes under ``"MixedPrecision"``, the key
-    Lightning's ``MixedPrecision`` restores its ``GradScaler`` from (this plugin reads its own
-    entry first).
+    That is the key Lightning's ``MixedPrecision`` restores its ``GradScaler`` from (this plugin
+    reads its own entry first).
 
     Example:
         >>> checkpoint = {}
-        >>> save_entry(checkpoint, "bf16-mixed", None, LossScaler("cpu", init_scale=1.0, dynamic=False), None)
+        >>> save(checkpoint, AMPRun("bf16-mixed", "cpu"))
         >>> sorted(checkpoint), sorted(checkpoint[CHECKPOINT_KEY])
         (['amp_plugin'], ['guard', 'precision', 'scaler'])
-        >>> save_entry(checkpoint, "16-mixed", LossScaler("cpu", init_scale=8.0), None, None)
+        >>> save(checkpoint, AMPRun("16-mixed", "cpu", LossScaler("cpu", init_scale=8.0)))
         >>> checkpoint["MixedPrecision"]["scale"], sorted(checkpoint["MixedPrecision"])
         (8.0, ['_growth_tracker', 'backoff_factor', 'growth_factor', 'growth_interval', 'scale'])
     """
-    entry = checkpoint_entry(precision, scaler)
-    if scaler is None and guard is not None:  # bf16/fp32: the guard's skip counts resume too
-        entry["guard"] = guard.state_dict()
-    checkpoint[CHECKPOINT_KEY] = entry
-    if scaler is not None and entry["scaler"]:  # Lightning's MixedPrecision resumes the scale from here
-        checkpoint[_FOREIGN_KEYS[0]] = grad_scaler_state(scaler)
-    if half is not None:
-        half.on_save(checkpoint, entry)
-
-
-def check_entry(
-    checkpoint: dict[str, Any], scaler: LossScaler | None, guard: LossScaler | None, half: HalfWeights | None
-) -> None:
-    """Raise ``ValueError`` if any part of the plugin's entry would not load; change nothing.
-
-    Example:
-        >>> check_entry({CHECKPOINT_KEY: {"scaler": 3}}, LossScaler("cpu"), None, None)
-        Traceback (most recent call last):
-        ...
-        ValueError: The checkpoint's 'amp_plugin' entry is dict ...; ... HINT: ...
-    """
-    check_scaler_state(checkpoint, scaler)
-    guard_state = _guard_state(checkpoint, scaler, guard)
-    if guard_state is not None and guard is not None:
-        guard.check_state_dict(guard_state)
-    if half is not None:
-        half.check(checkpoint, checkpoint.get(CHECKPOINT_KEY))
-
-
-def load_entry(
-    checkpoint: dict[str, Any], scaler: LossScaler | None, guard: LossScaler | None, half: HalfWeights | None
-) -> None:
-    """Check the whole entry (:func:`check_entry`), then load the half weights', the scaler's, the guard's.
-
-    Example:
-        >>> scaler = LossScaler("cpu")
-        >>> checkpoint = {}
-        >>> save_entry(checkpoint, "16-mixed", LossScaler("cpu", init_scale=8.0), None, None)
-        >>> load_entry(checkpoint, scaler, scaler, None)
-        >>> scaler.get_scale()
-        8.0
-    """
-    check_entry(checkpoint, scaler, guard, half)
-    if half is not None:
-        half.on_load(checkpoint, checkpoint.get(CHECKPOINT_KEY))
-    state = scaler_state(checkpoint)
-    if state is not None:
-        load_scaler_state(scaler, state)
-    guard_state = _guard_state(checkpoint, scaler, guard)
-    if guard_state is not None and guard is not None:
-        guard.load_state_dict(guard_state)
-
-
-def _guard_state(
-    checkpoint: dict[str, Any], scaler: LossScaler | None, guard: LossScaler | None
-) -> dict[str, Any] | None:
-    """The bf16/fp32 guard's state in the checkpoint, where this run has a guard and no scaler."""
-    entry = checkpoint.get(CHECKPOINT_KEY)
-    if scaler is not None or guard is None or not isinstance(entry, dict):
-        return None
-    state = entry.get("guard")
-    return state if isinstance(state, dict) and state else None
+    state = run.state_dict()
+    checkpoint[CHECKPOINT_KEY] = checkpoint_entry(run.precision, state)
+    if run.scaler is not None and (theirs := grad_scaler_state(state)):
+        checkpoint[_FOREIGN_KEYS[0]] = theirs  # Lightning's MixedPrecision resumes the scale from here

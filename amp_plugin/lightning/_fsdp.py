@@ -156,7 +156,7 @@ class AMPFSDPPrecision(FSDPPrecision):
         its own, in ``GradScaler``'s five keys.
         """
         scaler = self.scaler
-        if scaler is not None and (state := grad_scaler_state(scaler)):
+        if scaler is not None and (state := grad_scaler_state(scaler.state_dict())):
             checkpoint[FSDPPrecision.__qualname__] = state
 
     @property  # type: ignore[override]  # FSDPPrecision has a ShardedGradScaler attribute here

@@ -292,11 +292,11 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoints.save_entry(checkpoint, str(self.precision), self.scaler, self.guard, self._run.half)
+        checkpoints.save(checkpoint, self._run)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoints.load_entry(checkpoint, self.scaler, self.guard, self._run.half)
+        self._run.load_state_dict(checkpoints.run_state_of(checkpoint), checkpoint.get("state_dict"))
 
     def check_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Raise ``ValueError`` if the checkpoint's plugin state would not load; change nothing.
@@ -315,7 +315,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             ...
             ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
         """
-        checkpoints.check_entry(checkpoint, self.scaler, self.guard, self._run.half)
+        self._run.check_state_dict(checkpoints.run_state_of(checkpoint), checkpoint.get("state_dict"))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -12,12 +12,7 @@ import torch
 
 from amp_plugin import AMPPrecision, LossScaler
 from amp_plugin.lightning import CHECKPOINT_KEY
-from amp_plugin.lightning._checkpoint import (
-    check_scaler_state,
-    checkpoint_entry,
-    load_scaler_state,
-    scaler_state,
-)
+from amp_plugin.lightning._checkpoint import checkpoint_entry, load_scaler_state, run_state_of, scaler_state
 
 
 def test_check_checkpoint_accepts_what_loads() -> None:
@@ -60,11 +55,15 @@ def test_corrupt_checkpoint_entry_raises_and_changes_nothing(entry: Any) -> None
 
 def test_the_entry_holds_the_precision_and_the_scaler_state() -> None:
     scaler = LossScaler("cpu", init_scale=8.0)
-    assert checkpoint_entry("16-mixed", scaler) == {
+    assert checkpoint_entry("16-mixed", scaler.state_dict()) == {
         "precision": "16-mixed",
         "scaler": scaler.state_dict(),
     }
-    assert checkpoint_entry("bf16-mixed", None) == {"precision": "bf16-mixed", "scaler": {}}
+    assert checkpoint_entry("bf16-mixed", {}) == {"precision": "bf16-mixed", "scaler": {}}
+    guard, rounding = {"skipped_steps": 1}, [{"generator": 1}]
+    entry = checkpoint_entry("bf16-true", {"guard": guard, "rounding": rounding})
+    assert entry == {"precision": "bf16-true", "scaler": {}, "guard": guard, "rounding": rounding}
+    assert run_state_of({CHECKPOINT_KEY: entry}) == {"guard": guard, "rounding": rounding}  # the run's own
 
 
 def test_saved_entry_round_trips_through_the_hooks() -> None:
@@ -105,12 +104,12 @@ def test_a_malformed_entry_is_refused(entry: Any, match: str) -> None:
         scaler_state({CHECKPOINT_KEY: entry})
 
 
-def test_checking_against_a_disabled_or_missing_scaler_accepts_anything_well_formed() -> None:
+def test_checking_without_a_scaler_accepts_any_well_formed_scaler_state() -> None:
+    # (A disabled scaler cannot get here: the plugin refuses one, see tests/integration/test_guard.py.)
     bad_state = {CHECKPOINT_KEY: {"scaler": {"scale": "nan"}}}
-    check_scaler_state(bad_state, None)
-    check_scaler_state(bad_state, LossScaler("cpu", enabled=False))
+    AMPPrecision("bf16-mixed", device="cpu").check_checkpoint(bad_state)
     with pytest.raises(ValueError, match="HINT"):
-        check_scaler_state(bad_state, LossScaler("cpu"))
+        AMPPrecision("16-mixed", device="cpu", scaler=LossScaler("cpu")).check_checkpoint(bad_state)
 
 
 @pytest.mark.parametrize(
