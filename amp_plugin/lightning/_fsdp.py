@@ -25,12 +25,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin._distributed import global_norm
 from amp_plugin._optim import handles_unscaling
 from amp_plugin._run import assigned_scaler, guard_of, load_run_state, run_state
 from amp_plugin._scaler import LossScaler
 from amp_plugin._schedulers import hold_step_schedulers
 from amp_plugin._step import StepDriver
 from amp_plugin._validation import check_bool, check_choice, fail
+from amp_plugin.fp8 import Float8Report
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning._checkpoint import grad_scaler_state
@@ -115,6 +117,9 @@ class AMPFSDPPrecision(FSDPPrecision):
         _compat.init_fsdp_precision(self, precision, scaler)
         # Every step checked, on every rank.
         self._driver = StepDriver(guard_of(scaler, guard, kernels, spike_guard), kernels=kernels)
+        self.fp8_report: Float8Report | None = None  # FSDP's own config casts; no fp8 conversion here
+        self.last_grad_norm: Tensor | None = None  # unscaled, of every shard, before clipping
+        self._want_grad_norm = self._clip_checked = False
 
     @override
     def connect(
@@ -152,9 +157,13 @@ class AMPFSDPPrecision(FSDPPrecision):
             self._driver.not_stepped(optimizer, lambda: _compat.after_closure(self, model, optimizer))
             return None
 
-        def hooks() -> bool:
+        def hooks() -> bool:  # whether a clip checked the gradients after the hooks
+            self._clip_checked = False
             _compat.after_closure(self, model, optimizer)
-            return False
+            if self._want_grad_norm and self.last_grad_norm is None:
+                self.last_grad_norm = self._grad_norm(optimizer)
+            self._want_grad_norm = False
+            return self._clip_checked
 
         # Fused optimizers unscale inside their step; the others before the hooks (and clipping) see them.
         unscale = not handles_unscaling(optimizer)
@@ -165,6 +174,7 @@ class AMPFSDPPrecision(FSDPPrecision):
     @override
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
+        self.last_grad_norm = None  # once per batch, before any clip
         with super().train_step_context():
             yield
         self._driver.end_batch()  # manual optimization: one update per batch, after every step
@@ -231,9 +241,24 @@ class AMPFSDPPrecision(FSDPPrecision):
         return self._driver.scaler
 
     @property
+    def driver(self) -> StepDriver:
+        """The :class:`~amp_plugin._step.StepDriver` of this plugin's steps (which were skipped)."""
+        return self._driver
+
+    @property
     def last_step_skipped(self) -> bool:
         """Whether the latest optimizer step was skipped for an inf/NaN loss or gradient."""
         return self._driver.last_step_skipped
+
+    def request_grad_norm(self) -> None:
+        """Have the next optimizer step record ``last_grad_norm`` (of every shard) even without clipping."""
+        self._want_grad_norm = True
+
+    def _grad_norm(self, optimizer: Optimizer) -> Tensor:
+        """The unscaled norm of every rank's gradient shard, gradients untouched (one all-reduce)."""
+        guard = self._driver.scaler
+        group = None if guard is None else guard.process_group
+        return global_norm(self._driver.grad_norm(optimizer), 2.0, group)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -252,4 +277,13 @@ class AMPFSDPPrecision(FSDPPrecision):
                 allowed="the guard on (the norm clip goes through its LossScaler)",
                 hint="use gradient_clip_algorithm='value', or drop guard=False.",
             )
-        guard.clip_grad_norm_(optimizer, float(clip_val), sharded=True)
+        self._clip_checked = True
+        self.last_grad_norm = guard.clip_grad_norm_(optimizer, float(clip_val), sharded=True)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clamp the unscaled gradients (a fused optimizer's too: they are unscaled for the clamp first)."""
+        if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
+            self.last_grad_norm = self._grad_norm(optimizer)
+        self._driver.clip_grad_value_(optimizer, float(clip_val))
+        self._clip_checked = True  # the clip checked the gradients before clamping them

@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from amp_plugin import AMPFSDPPrecision, LossScaler
@@ -300,3 +301,39 @@ def test_a_checkpoint_of_lightnings_fsdp_precision_resumes_its_scale() -> None:
     ours = {"AMPFSDPPrecision": LossScaler("cpu", init_scale=2.0).state_dict(), **checkpoint}
     plugin.on_load_checkpoint(ours)  # its own entry, which Lightning loads next, wins: nothing read here
     assert plugin.scaler.get_scale() == 4.0
+
+
+@pytest.mark.parametrize(
+    ("ours", "fused"),
+    [(True, False), (True, True), (False, True)],  # FSDPPrecision's non-fused unscale needs a process group
+    ids=["AMPFSDPPrecision", "AMPFSDPPrecision-fused", "FSDPPrecision-fused"],
+)
+def test_value_clipping_clamps_unscaled_gradients_with_fused_optimizers_too(ours: bool, fused: bool) -> None:
+    """A fused optimizer unscales inside its step, after the hooks: the clip unscales first all the same.
+
+    Lightning's FSDPPrecision skips its unscale for such an optimizer and clamps the scaled gradients.
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    plugin: FSDPPrecision
+    if ours:
+        plugin = AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu", init_scale=2.0**10))
+    else:
+        plugin = FSDPPrecision("16-mixed")  # its scaler= argument refuses every scaler (Lightning 2.6)
+        plugin.scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+    param = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([param], lr=1.0, fused=fused)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (param * 3.0).sum()  # each gradient 3.0
+        assert plugin.scaler is not None
+        plugin.scaler.scale(loss).backward()
+        return loss
+
+    plugin._after_closure = lambda model, optimizer: plugin.clip_gradients(  # type: ignore[method-assign]
+        optimizer, 0.5, GradClipAlgorithmType.VALUE
+    )
+    plugin.optimizer_step(opt, SimpleNamespace(automatic_optimization=True), closure)  # type: ignore[arg-type]
+    clamped_scaled = fused and not ours
+    assert param.tolist() == [-0.5 / 2**10 if clamped_scaled else -0.5] * 3  # clamped at 0.5 unscaled
