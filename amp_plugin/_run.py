@@ -50,7 +50,17 @@ from amp_plugin.precision import Precision, check_precision, default_dtype, true
 from amp_plugin.rounded_updates import ROUNDINGS
 from amp_plugin.spike import SpikeGuard, check_spike_guard
 
-__all__ = ["STATE_EXTRAS", "AMPRun", "RunOptions", "assigned_scaler", "guard_of", "load_scaler_state"]
+__all__ = [
+    "STATE_EXTRAS",
+    "AMPRun",
+    "RunOptions",
+    "assigned_scaler",
+    "check_run_state",
+    "guard_of",
+    "load_run_state",
+    "load_scaler_state",
+    "run_state",
+]
 
 STATE_EXTRAS = ("guard", "rounding")
 """The keys of :meth:`AMPRun.state_dict` beside the loss scaler's own: the guard's state, the rounding's."""
@@ -457,13 +467,7 @@ class AMPRun:
             >>> AMPRun("bf16-mixed", "cpu").state_dict()["guard"]["skipped_steps"]
             0
         """
-        scaler, guard = self._scaler, self.guard
-        state = {} if scaler is None else scaler.state_dict()
-        if scaler is None and guard is not None:  # the guard's skip counts resume too
-            state["guard"] = guard.state_dict()
-        if self.half is not None and (rounding := self.half.rounding_state()) is not None:
-            state["rounding"] = rounding
-        return state
+        return run_state(self._scaler, self.guard, self.half)
 
     def check_state_dict(self, state: dict[str, Any] | None, model_state: object = None) -> None:
         """Raise ``ValueError``/``TypeError`` if :meth:`load_state_dict` would refuse a part; change nothing.
@@ -471,14 +475,7 @@ class AMPRun:
         ``state`` as for :meth:`load_state_dict`; ``model_state``: the model's state dict beside it
         in a checkpoint, whose fp32 master entries must fit the master weights (``None``: unknown).
         """
-        scaler_state, guard_state, rounding = self._parts(state)
-        scaler, guard = self._scaler, self.guard
-        if scaler is not None and scaler_state:
-            scaler.check_state_dict(scaler_state)
-        if guard is not None and guard_state is not None:
-            guard.check_state_dict(guard_state)
-        if self.half is not None:
-            self.half.check(rounding, model_state)
+        check_run_state(state, self._scaler, self.guard, self.half, model_state)
 
     def load_state_dict(self, state: dict[str, Any] | None, model_state: object = None) -> None:
         """Load :meth:`state_dict`'s result, or a ``GradScaler``'s state; everything is checked first.
@@ -488,29 +485,9 @@ class AMPRun:
         checked. A state from another precision is said (``say``): a scale in a run without a
         scaler is ignored, and an fp16 run loading a state without one starts its scale afresh.
         """
-        self.check_state_dict(state, model_state)
-        if state is None:
-            return
-        scaler_state, guard_state, rounding = self._parts(state)
-        # The scaler or the guard first: each refuses a load in the middle of an iteration.
-        note = load_scaler_state(self._scaler, scaler_state)
-        guard = self.guard
-        if guard is not None and guard_state is not None:
-            guard.load_state_dict(guard_state)
-        if self.half is not None:
-            self.half.load(rounding)
+        note = load_run_state(state, self._scaler, self.guard, self.half, model_state)
         if note is not None:
             self.say(note, True)
-
-    def _parts(self, state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any] | None, object]:
-        """``state``'s scaler part, the guard's (where a guard checks, not a scaler), the rounding's."""
-        if state is None:
-            return {}, None, None
-        scaler_state = {key: value for key, value in state.items() if key not in STATE_EXTRAS}
-        # With a loss scaler, the scaler is the guard and its state the top level.
-        guard_state = state.get("guard") if self._scaler is None else None
-        guard_state = guard_state if isinstance(guard_state, dict) and guard_state else None
-        return scaler_state, guard_state, state.get("rounding")
 
     def teardown(self) -> None:
         """End of a fit: settle what waits for a next step (a held scheduler's check); unhook half weights
@@ -522,6 +499,79 @@ class AMPRun:
         for hooks in self._fp32_hooks.values():
             hooks.remove()
         self._fp32_hooks.clear()
+
+
+def run_state(
+    scaler: LossScaler | None, guard: LossScaler | None, half: HalfWeights | None = None
+) -> dict[str, Any]:
+    """A run's state (:meth:`AMPRun.state_dict`): the loss ``scaler``'s keys, or ``"guard"`` (the state of
+    a ``guard`` that is not the scaler), and ``"rounding"`` (the ``half`` weights' stochastic rounding).
+
+    Example:
+        >>> run_state(None, guard_of(None, True))["guard"]["total_steps"]
+        0
+    """
+    state = {} if scaler is None else scaler.state_dict()
+    if scaler is None and guard is not None:  # the guard's skip counts resume too
+        state["guard"] = guard.state_dict()
+    if half is not None and (rounding := half.rounding_state()) is not None:
+        state["rounding"] = rounding
+    return state
+
+
+def check_run_state(
+    state: dict[str, Any] | None,
+    scaler: LossScaler | None,
+    guard: LossScaler | None,
+    half: HalfWeights | None = None,
+    model_state: object = None,
+) -> None:
+    """Raise ``ValueError``/``TypeError`` if :func:`load_run_state` would refuse a part; change nothing."""
+    scaler_state, guard_state, rounding = _state_parts(state, scaler)
+    if scaler is not None and scaler_state:
+        scaler.check_state_dict(scaler_state)
+    if guard is not None and guard_state is not None:
+        guard.check_state_dict(guard_state)
+    if half is not None:
+        half.check(rounding, model_state)
+
+
+def load_run_state(
+    state: dict[str, Any] | None,
+    scaler: LossScaler | None,
+    guard: LossScaler | None,
+    half: HalfWeights | None = None,
+    model_state: object = None,
+) -> str | None:
+    """Check every part of ``state`` (:func:`run_state`'s, or a ``GradScaler``'s), then load it.
+
+    ``None`` is a checkpoint without one: only the masters in ``model_state`` are checked. Returns
+    the note to say where only one side has a loss-scaler state (:func:`load_scaler_state`).
+    """
+    check_run_state(state, scaler, guard, half, model_state)
+    if state is None:
+        return None
+    scaler_state, guard_state, rounding = _state_parts(state, scaler)
+    # The scaler or the guard first: each refuses a load in the middle of an iteration.
+    note = load_scaler_state(scaler, scaler_state)
+    if guard is not None and guard_state is not None:
+        guard.load_state_dict(guard_state)
+    if half is not None:
+        half.load(rounding)
+    return note
+
+
+def _state_parts(
+    state: dict[str, Any] | None, scaler: LossScaler | None
+) -> tuple[dict[str, Any], dict[str, Any] | None, object]:
+    """``state``'s scaler part, the guard's (where a guard checks, not a scaler), the rounding's."""
+    if state is None:
+        return {}, None, None
+    scaler_state = {key: value for key, value in state.items() if key not in STATE_EXTRAS}
+    # With a loss scaler, the scaler is the guard and its state the top level.
+    guard_state = state.get("guard") if scaler is None else None
+    guard_state = guard_state if isinstance(guard_state, dict) and guard_state else None
+    return scaler_state, guard_state, state.get("rounding")
 
 
 def guard_of(

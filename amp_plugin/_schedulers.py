@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from amp_plugin._validation import fail
 
-__all__ = ["SkipAwareScheduler"]
+__all__ = ["SkipAwareScheduler", "hold_step_schedulers"]
 
 _SCHEDULER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
@@ -220,3 +220,15 @@ def _settles(wrapper: weakref.ref[SkipAwareScheduler]) -> Callable[[Any], None]:
             alive.settle()
 
     return hook
+
+
+def hold_step_schedulers(configs: Iterable[Any], steps: _StepSkips, lr_on_skip: str) -> None:
+    """Wrap each step-interval scheduler of ``configs`` in a :class:`SkipAwareScheduler` (once).
+
+    ``configs`` are Lightning's ``LRSchedulerConfig``s (their ``scheduler`` and ``interval``), in
+    automatic and manual optimization alike; epoch-interval schedulers are left as they are.
+    """
+    for config in configs:
+        held = isinstance(config.scheduler, SkipAwareScheduler)
+        if getattr(config, "interval", "step") == "step" and not held:
+            config.scheduler = SkipAwareScheduler(config.scheduler, steps, lr_on_skip)

@@ -16,19 +16,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import FSDPPrecision
-from torch import Tensor
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from amp_plugin._distributed import global_norm
 from amp_plugin._optim import handles_unscaling
-from amp_plugin._run import assigned_scaler, guard_of
+from amp_plugin._run import assigned_scaler, guard_of, load_run_state, run_state
 from amp_plugin._scaler import LossScaler
+from amp_plugin._schedulers import hold_step_schedulers
 from amp_plugin._step import StepDriver
-from amp_plugin._validation import check_bool, fail
+from amp_plugin._validation import check_bool, check_choice, fail
+from amp_plugin.fp8 import Float8Report
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning._checkpoint import grad_scaler_state
@@ -50,8 +54,11 @@ class AMPFSDPPrecision(FSDPPrecision):
             check and skip every step in every precision.
         kernels: keyword-only: the kernel backend of the default scaler and the guard.
         spike_guard: keyword-only: a :class:`~amp_plugin.spike.SpikeGuard` that also skips
-            loss spikes. The other options of ``AMPPrecision`` (master weights, roundings, fp8,
-            fp32 functions) are FSDP's own ``MixedPrecision`` config's business here.
+            loss spikes.
+        lr_on_skip: keyword-only, as for ``AMPPrecision``: ``"hold"`` (the default) keeps a
+            step-interval LR scheduler still when its optimizer's step was skipped; ``"advance"``
+            steps it anyway. The other options of ``AMPPrecision`` (master weights, roundings,
+            fp8, fp32 functions) are FSDP's own ``MixedPrecision`` config's business here.
 
     Example:
         >>> from amp_plugin import LossScaler
@@ -70,6 +77,7 @@ class AMPFSDPPrecision(FSDPPrecision):
         guard: bool = True,
         kernels: Backend = "auto",
         spike_guard: SpikeGuard | None = None,
+        lr_on_skip: Literal["hold", "advance"] = "hold",
     ) -> None:
         if precision not in _PRECISIONS:
             fail(
@@ -101,11 +109,29 @@ class AMPFSDPPrecision(FSDPPrecision):
         check_bool("AMPFSDPPrecision", "guard", guard)
         kernels = check_backend(kernels, "AMPFSDPPrecision", "kernels")
         spike_guard = check_spike_guard("AMPFSDPPrecision", spike_guard, guard)
+        self.lr_on_skip: Literal["hold", "advance"] = check_choice(
+            "AMPFSDPPrecision", "lr_on_skip", lr_on_skip, ("hold", "advance"), hint="use 'hold'."
+        )
         if precision == "16-mixed" and scaler is None:
             scaler = LossScaler("cuda", kernels=kernels)
         _compat.init_fsdp_precision(self, precision, scaler)
         # Every step checked, on every rank.
         self._driver = StepDriver(guard_of(scaler, guard, kernels, spike_guard), kernels=kernels)
+        self.fp8_report: Float8Report | None = None  # FSDP's own config casts; no fp8 conversion here
+        self.last_grad_norm: Tensor | None = None  # unscaled, of every shard, before clipping
+        self._want_grad_norm = self._clip_checked = False
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        hold_step_schedulers(lr_schedulers, self._driver, self.lr_on_skip)  # as AMPPrecision does
+        return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    def teardown(self) -> None:
+        self._driver.settle()  # a held scheduler's check of the last fused step
+        super().teardown()
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
@@ -131,9 +157,13 @@ class AMPFSDPPrecision(FSDPPrecision):
             self._driver.not_stepped(optimizer, lambda: _compat.after_closure(self, model, optimizer))
             return None
 
-        def hooks() -> bool:
+        def hooks() -> bool:  # whether a clip checked the gradients after the hooks
+            self._clip_checked = False
             _compat.after_closure(self, model, optimizer)
-            return False
+            if self._want_grad_norm and self.last_grad_norm is None:
+                self.last_grad_norm = self._grad_norm(optimizer)
+            self._want_grad_norm = False
+            return self._clip_checked
 
         # Fused optimizers unscale inside their step; the others before the hooks (and clipping) see them.
         unscale = not handles_unscaling(optimizer)
@@ -144,9 +174,36 @@ class AMPFSDPPrecision(FSDPPrecision):
     @override
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
+        self.last_grad_norm = None  # once per batch, before any clip
         with super().train_step_context():
             yield
         self._driver.end_batch()  # manual optimization: one update per batch, after every step
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (``FSDPPrecision``'s keys and ours), or the bf16/fp32 guard's as ``"guard"``.
+
+        Lightning files it under this class's name and hands it back to :meth:`load_state_dict`.
+        """
+        return run_state(self._scaler, self._driver.scaler)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s result (or a ``GradScaler``'s); every part is checked first."""
+        note = load_run_state(state_dict, self._scaler, self._driver.scaler)
+        if note is not None:
+            rank_zero_warn(note)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resume the scale of a checkpoint written by Lightning's ``FSDPPrecision`` (``GradScaler``'s keys).
+
+        Where the checkpoint has this class's own entry, Lightning loads that next instead.
+        """
+        theirs = checkpoint.get(FSDPPrecision.__qualname__)
+        ours = type(self).__qualname__ in checkpoint
+        if not ours and isinstance(theirs, dict) and self._scaler is not None:
+            self.load_state_dict(theirs)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -184,9 +241,24 @@ class AMPFSDPPrecision(FSDPPrecision):
         return self._driver.scaler
 
     @property
+    def driver(self) -> StepDriver:
+        """The :class:`~amp_plugin._step.StepDriver` of this plugin's steps (which were skipped)."""
+        return self._driver
+
+    @property
     def last_step_skipped(self) -> bool:
         """Whether the latest optimizer step was skipped for an inf/NaN loss or gradient."""
         return self._driver.last_step_skipped
+
+    def request_grad_norm(self) -> None:
+        """Have the next optimizer step record ``last_grad_norm`` (of every shard) even without clipping."""
+        self._want_grad_norm = True
+
+    def _grad_norm(self, optimizer: Optimizer) -> Tensor:
+        """The unscaled norm of every rank's gradient shard, gradients untouched (one all-reduce)."""
+        guard = self._driver.scaler
+        group = None if guard is None else guard.process_group
+        return global_norm(self._driver.grad_norm(optimizer), 2.0, group)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -205,4 +277,13 @@ class AMPFSDPPrecision(FSDPPrecision):
                 allowed="the guard on (the norm clip goes through its LossScaler)",
                 hint="use gradient_clip_algorithm='value', or drop guard=False.",
             )
-        guard.clip_grad_norm_(optimizer, float(clip_val), sharded=True)
+        self._clip_checked = True
+        self.last_grad_norm = guard.clip_grad_norm_(optimizer, float(clip_val), sharded=True)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clamp the unscaled gradients (a fused optimizer's too: they are unscaled for the clamp first)."""
+        if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
+            self.last_grad_norm = self._grad_norm(optimizer)
+        self._driver.clip_grad_value_(optimizer, float(clip_val))
+        self._clip_checked = True  # the clip checked the gradients before clamping them

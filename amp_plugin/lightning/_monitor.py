@@ -42,10 +42,13 @@ from amp_plugin.diagnostics._health import (
 from amp_plugin.diagnostics._health_plot import plot_history
 from amp_plugin.diagnostics._health_state import HealthState, ScaleRecord, check_monitor_state
 from amp_plugin.lightning import _compat
+from amp_plugin.lightning._fsdp import AMPFSDPPrecision
 from amp_plugin.lightning._monitor_values import publish
 from amp_plugin.lightning._plugin import AMPPrecision
 
 __all__ = ["LossScaleMonitor"]
+
+_Plugin = AMPPrecision | AMPFSDPPrecision  # what the monitor reads: the Trainer's plugin, or FSDPStrategy's
 
 _MAX_RECORDS = 10_000  # history kept for the plot and the checkpoint; halved (every other row) when full
 
@@ -67,7 +70,8 @@ class LossScaleMonitor(Callback):
     history. On the first skipped step and on each turn to pathological the monitor names the
     parameters whose gradient is inf/NaN; ``trace_nonfinite=True`` also names the first module,
     in execution order, whose output or gradient went non-finite (forward/backward hooks, only
-    while training). Needs ``Trainer(plugins=[AMPPrecision(...)])``.
+    while training). Needs ``Trainer(plugins=[AMPPrecision(...)])``, or under Lightning's
+    ``FSDPStrategy`` its ``precision_plugin=AMPFSDPPrecision(...)``.
 
     Args:
         warmup_steps: first steps whose skips are calibration, not a problem (fp16's loss scale;
@@ -106,7 +110,7 @@ class LossScaleMonitor(Callback):
         self.plot_path = None if plot_path is None else Path(plot_path)
         self.plot_events: list[tuple[int, str]] = []
         self._records: list[ScaleRecord] = []
-        self._plugin: AMPPrecision | None = None
+        self._plugin: _Plugin | None = None
         self._tracer: diagnostics.NonFiniteTracer | None = None
         self._progress = 0  # scaler updates (or global steps for bf16) before this batch
         self._named_first_incident = False
@@ -148,11 +152,12 @@ class LossScaleMonitor(Callback):
         if stage != "fit":
             return
         plugin = trainer.precision_plugin
-        if not isinstance(plugin, AMPPrecision):
+        if not isinstance(plugin, (AMPPrecision, AMPFSDPPrecision)):
             raise TypeError(
                 f"LossScaleMonitor reads amp_plugin.AMPPrecision, but the Trainer's precision plugin is "
                 f"{type(plugin).__name__}. HINT: pass Trainer(plugins=[AMPPrecision('16-mixed')]) (or "
-                "'bf16-mixed'), or remove the monitor."
+                "'bf16-mixed'; under FSDPStrategy, FSDPStrategy(precision_plugin=AMPFSDPPrecision(...))), "
+                "or remove the monitor."
             )
         self._plugin = plugin
         if not trainer.loggers:
@@ -201,7 +206,7 @@ class LossScaleMonitor(Callback):
             self._tracer = diagnostics.NonFiniteTracer(pl_module).attach()
         self._log_fp8(trainer, plugin)
 
-    def _log_fp8(self, trainer: Trainer, plugin: AMPPrecision) -> None:
+    def _log_fp8(self, trainer: Trainer, plugin: _Plugin) -> None:
         """Once per fit, with ``fp8=``: how many Linear layers and what share of their parameters run fp8."""
         report = plugin.fp8_report
         if report is None or not trainer.loggers or not trainer.is_global_zero:
@@ -286,7 +291,7 @@ class LossScaleMonitor(Callback):
             self._publish_if_stale(trainer)  # EarlyStopping and ModelCheckpoint look at the epoch's end
 
     def _observe(
-        self, plugin: AMPPrecision, pl_module: LightningModule, trainer: Trainer, step: int, skipped: bool,
+        self, plugin: _Plugin, pl_module: LightningModule, trainer: Trainer, step: int, skipped: bool,
         sample: bool, current: bool,
     ) -> None:  # fmt: skip
         """Judge one optimizer step: this batch's (``current``) or a fused one read late; log if ``sample``.
@@ -338,7 +343,7 @@ class LossScaleMonitor(Callback):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _require_plugin(self) -> AMPPrecision:
+    def _require_plugin(self) -> _Plugin:
         if self._plugin is None:
             raise RuntimeError(
                 "LossScaleMonitor was called outside Trainer.fit (setup(stage='fit') did not run). "

@@ -27,7 +27,7 @@ from typing_extensions import Unpack, override
 from amp_plugin._fit_start import is_lbfgs, module_device
 from amp_plugin._run import AMPRun, RunOptions
 from amp_plugin._scaler import LossScaler
-from amp_plugin._schedulers import SkipAwareScheduler
+from amp_plugin._schedulers import hold_step_schedulers
 from amp_plugin.lightning import _checkpoint as checkpoints
 from amp_plugin.lightning import _checks as checks
 from amp_plugin.lightning import _compat
@@ -151,13 +151,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         if isinstance(module, LightningModule) and (trainer := _compat.attached_trainer(module)) is not None:
             self._hooks_read = checks.hooks_observe_gradients(module, trainer)
             self._fast_clip = self.clip_fused is True or (self.clip_fused == "auto" and not self._hooks_read)
-        for config in lr_schedulers:  # automatic and manual optimization alike
-            if getattr(config, "interval", "step") == "step" and not isinstance(
-                config.scheduler, SkipAwareScheduler
-            ):
-                config.scheduler = SkipAwareScheduler(
-                    config.scheduler, run.require_driver(), self.lr_on_skip
-                )
+        hold_step_schedulers(lr_schedulers, run.require_driver(), self.lr_on_skip)
         return model, optimizers, lr_schedulers
 
     def _accumulates_in_fp32(self, model: nn.Module, module: nn.Module) -> tuple[bool, Any]:

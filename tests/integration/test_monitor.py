@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
+from amp_plugin import AMPFSDPPrecision, AMPPrecision, LossScaleMonitor, LossScaler
 from tests._ops import UNSCALE, AtenOps
 
 POISON = (7, 8, 19)  # steps whose gradient gets an inf (0-based)
@@ -303,6 +303,21 @@ def test_trace_names_the_overflowing_module(said: pytest.LogCaptureFixture) -> N
 def test_needs_amp_precision() -> None:
     with pytest.raises(TypeError, match=r"precision plugin is MixedPrecision.*HINT"):
         _fit(Probe(), LossScaleMonitor(), MixedPrecision("16-mixed", "cpu"), steps=1)
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # FSDPPrecision's CUDA autocast
+def test_the_monitor_reads_amp_fsdp_precision_too(tmp_path: Path) -> None:
+    """Under Lightning's FSDPStrategy (CUDA only) the plugin is AMPFSDPPrecision: its hooks on a CPU here."""
+    logger = CSVLogger(tmp_path)
+    scaler = LossScaler("cpu", init_scale=2.0**10, growth_interval=5)
+    module, monitor = Probe(), LossScaleMonitor(warmup_steps=5)
+    _fit(module, monitor, AMPFSDPPrecision("16-mixed", scaler=scaler), logger=logger, log_every_n_steps=5)
+    rows = [r for r in _rows(logger) if "amp/skip_rate" in r]
+    assert [r["amp/scale"] for r in rows] == [module.seen[s]["scale"] for s in range(4, 30, 5)]
+    assert rows[-1]["amp/skipped_steps"] == len(POISON) == scaler.skipped_steps
+    norms = {int(r["step"]): r["amp/grad_norm"] for r in rows}  # asked for: no clip computes it here
+    assert all(_same(norm, module.true_norms[step]) for step, norm in norms.items()), norms
+    assert monitor.summary().startswith(f"LossScaleMonitor: 30 steps, {len(POISON)} skipped")
 
 
 @pytest.mark.forks

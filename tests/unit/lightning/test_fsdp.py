@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from amp_plugin import AMPFSDPPrecision, LossScaler
@@ -236,3 +237,103 @@ def test_fsdp_plugin_takes_the_run_keywords_it_can_act_on() -> None:
         AMPFSDPPrecision("bf16-mixed", kernels="triton")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         AMPFSDPPrecision("bf16-mixed", None, False)  # type: ignore[misc]
+
+
+def _guarded_step(
+    plugin: AMPFSDPPrecision, param: nn.Parameter, opt: torch.optim.Optimizer, value: float
+) -> None:
+    """One automatic-optimization step through the plugin's hooks, its gradient ``value`` everywhere."""
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (param * value).sum()
+        assert plugin.guard is not None
+        plugin.guard.scale(loss).backward()  # what pre_backward does, without its trainer hooks
+        return loss
+
+    plugin._after_closure = lambda model, optimizer: None  # type: ignore[method-assign]  # no hooks here
+    plugin.optimizer_step(opt, SimpleNamespace(automatic_optimization=True), closure)  # type: ignore[arg-type]
+
+
+def test_a_skipped_step_holds_a_step_interval_scheduler_as_under_amp_precision() -> None:
+    plugin = AMPFSDPPrecision("bf16-mixed", kernels="torch")
+    param = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=1.0)
+    config = SimpleNamespace(scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), interval="step")
+    _, _, (wrapped,) = plugin.connect(nn.Linear(1, 1), [opt], [config])
+    lrs = []
+    for value in (1.0, float("nan"), 1.0):
+        _guarded_step(plugin, param, opt, value)
+        wrapped.scheduler.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [0.5, 0.5, 0.25]  # the skipped step moved neither the weights nor the LR
+    assert plugin.last_step_skipped is False and plugin.guard is not None and plugin.guard.skipped_steps == 1
+    advancing = AMPFSDPPrecision("bf16-mixed", lr_on_skip="advance")
+    assert advancing.lr_on_skip == "advance"
+    with pytest.raises(ValueError, match=r"lr_on_skip='keep'.*HINT"):
+        AMPFSDPPrecision("bf16-mixed", lr_on_skip="keep")  # type: ignore[arg-type]
+
+
+def test_the_guards_skip_counts_and_the_scale_resume_from_a_checkpoint() -> None:
+    plugin = AMPFSDPPrecision("bf16-mixed", kernels="torch")
+    param = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=1.0)
+    for value in (1.0, float("nan")):
+        _guarded_step(plugin, param, opt, value)
+    resumed = AMPFSDPPrecision("bf16-mixed", kernels="torch")
+    resumed.load_state_dict(plugin.state_dict())  # what Lightning files under the class name
+    assert resumed.guard is not None and (resumed.guard.skipped_steps, resumed.guard.total_steps) == (1, 2)
+
+    scaled = AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu", init_scale=8.0))
+    back = AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu"))
+    back.load_state_dict(scaled.state_dict())
+    assert back.scaler is not None and back.scaler.get_scale() == 8.0
+    with pytest.raises(ValueError, match="HINT"):
+        back.load_state_dict({"guard": "garbage", "scale": "x"})
+    assert back.scaler.get_scale() == 8.0  # refused whole: nothing changed
+
+
+def test_a_checkpoint_of_lightnings_fsdp_precision_resumes_its_scale() -> None:
+    checkpoint = {"FSDPPrecision": torch.amp.GradScaler("cpu", init_scale=4.0).state_dict()}
+    plugin = AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu"))
+    plugin.on_load_checkpoint(checkpoint)
+    assert plugin.scaler is not None and plugin.scaler.get_scale() == 4.0
+    ours = {"AMPFSDPPrecision": LossScaler("cpu", init_scale=2.0).state_dict(), **checkpoint}
+    plugin.on_load_checkpoint(ours)  # its own entry, which Lightning loads next, wins: nothing read here
+    assert plugin.scaler.get_scale() == 4.0
+
+
+@pytest.mark.parametrize(
+    ("ours", "fused"),
+    [(True, False), (True, True), (False, True)],  # FSDPPrecision's non-fused unscale needs a process group
+    ids=["AMPFSDPPrecision", "AMPFSDPPrecision-fused", "FSDPPrecision-fused"],
+)
+def test_value_clipping_clamps_unscaled_gradients_with_fused_optimizers_too(ours: bool, fused: bool) -> None:
+    """A fused optimizer unscales inside its step, after the hooks: the clip unscales first all the same.
+
+    Lightning's FSDPPrecision skips its unscale for such an optimizer and clamps the scaled gradients.
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    plugin: FSDPPrecision
+    if ours:
+        plugin = AMPFSDPPrecision("16-mixed", scaler=LossScaler("cpu", init_scale=2.0**10))
+    else:
+        plugin = FSDPPrecision("16-mixed")  # its scaler= argument refuses every scaler (Lightning 2.6)
+        plugin.scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+    param = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([param], lr=1.0, fused=fused)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (param * 3.0).sum()  # each gradient 3.0
+        assert plugin.scaler is not None
+        plugin.scaler.scale(loss).backward()
+        return loss
+
+    plugin._after_closure = lambda model, optimizer: plugin.clip_gradients(  # type: ignore[method-assign]
+        optimizer, 0.5, GradClipAlgorithmType.VALUE
+    )
+    plugin.optimizer_step(opt, SimpleNamespace(automatic_optimization=True), closure)  # type: ignore[arg-type]
+    clamped_scaled = fused and not ours
+    assert param.tolist() == [-0.5 / 2**10 if clamped_scaled else -0.5] * 3  # clamped at 0.5 unscaled
