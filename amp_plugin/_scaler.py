@@ -245,7 +245,7 @@ class LossScaler:
         self._enabled = enabled
         self._policy = policy
         self._kernels: ShardAwareKernels | None = None
-        self._one: Tensor | None = None  # the factor of the read-only inf check, made once
+        self._one: tuple[Tensor, Tensor] | None = None  # (the scale, a 1 beside it): the inf check's factor
         self._iteration = Iteration()
         self._guard_only = _guard_only(policy)
         self._last_skipped: bool | None = None  # last_step_skipped, where update() knew it on the host
@@ -819,18 +819,19 @@ class LossScaler:
         (one launch that leaves every value as it was) instead.
         """
         scale = self._require_scale("the inf check")
-        if self._one is None or self._one.device != scale.device:
-            self._one = torch.ones((), dtype=torch.float32, device=scale.device)
+        if self._one is None or self._one[0] is not scale:  # made once per scale tensor
+            self._one = (scale, torch.ones((), dtype=torch.float32, device=scale.device))
+        one = self._one[1]
         spike = self.spike_guard
         want = spike is not None and spike.wants_grad_norm
         shards = local_shards(grads)
         if rewrite and into is not None and not want and clipping.rewrite_pays(shards, into):
             try:
-                self._backend().inner.unscale_(shards, self._one, into)  # local shards already
+                self._backend().inner.unscale_(shards, one, into)  # local shards already
                 return into
             except RuntimeError:  # a gradient that cannot be written (an expanded view): the norms read it
                 pass
-        found_inf, norm = clipping.nonfinite_and_norm(shards, self._one, want, into)
+        found_inf, norm = clipping.nonfinite_and_norm(shards, one, want, into)
         if spike is not None and norm is not None:
             spike.observe_grad_norm(norm if carried is None else norm / carried.to(norm))
         return found_inf

@@ -42,6 +42,7 @@ __all__ = ["TorchKernels"]
 
 _GroupNorm = Callable[[list[Tensor], float], Tensor]
 CPU = torch.device("cpu")
+_CPU_HALF = frozenset({("cpu", torch.float16), ("cpu", torch.bfloat16)})
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
 
@@ -87,7 +88,7 @@ class TorchKernels:
 
     def _cpu_op_takes(self, tensors: Sequence[Tensor]) -> bool:
         """Whether every tensor is on the CPU, where torch's unscale op has a kernel for every dtype."""
-        if any(kind == "cpu" for kind, _ in self.unscale_op_lacks):  # a test's CPU that follows CUDA's rules
+        if not self.unscale_op_lacks.isdisjoint(_CPU_HALF):  # a test's CPU that follows CUDA's rules
             return False
         return all(tensor.is_cpu for tensor in tensors)
 
