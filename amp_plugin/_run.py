@@ -475,7 +475,8 @@ class AMPRun:
         ``state`` as for :meth:`load_state_dict`; ``model_state``: the model's state dict beside it
         in a checkpoint, whose fp32 master entries must fit the master weights (``None``: unknown).
         """
-        check_run_state(state, self._scaler, self.guard, self.half, model_state)
+        call = f"{self.call}.check_state_dict"
+        check_run_state(state, self._scaler, self.guard, self.half, model_state, call)
 
     def load_state_dict(self, state: dict[str, Any] | None, model_state: object = None) -> None:
         """Load :meth:`state_dict`'s result, or a ``GradScaler``'s state; everything is checked first.
@@ -485,7 +486,8 @@ class AMPRun:
         checked. A state from another precision is said (``say``): a scale in a run without a
         scaler is ignored, and an fp16 run loading a state without one starts its scale afresh.
         """
-        note = load_run_state(state, self._scaler, self.guard, self.half, model_state)
+        call = f"{self.call}.load_state_dict"
+        note = load_run_state(state, self._scaler, self.guard, self.half, model_state, call)
         if note is not None:
             self.say(note, True)
 
@@ -525,9 +527,13 @@ def check_run_state(
     guard: LossScaler | None,
     half: HalfWeights | None = None,
     model_state: object = None,
+    call: str = "load_state_dict",
 ) -> None:
-    """Raise ``ValueError``/``TypeError`` if :func:`load_run_state` would refuse a part; change nothing."""
-    scaler_state, guard_state, rounding = _state_parts(state, scaler)
+    """Raise ``ValueError``/``TypeError`` if :func:`load_run_state` would refuse a part; change nothing.
+
+    ``call`` names the method the user called, in the message for a ``state`` that is not a dict.
+    """
+    scaler_state, guard_state, rounding = _state_parts(state, scaler, call)
     if scaler is not None and scaler_state:
         scaler.check_state_dict(scaler_state)
     if guard is not None and guard_state is not None:
@@ -542,16 +548,17 @@ def load_run_state(
     guard: LossScaler | None,
     half: HalfWeights | None = None,
     model_state: object = None,
+    call: str = "load_state_dict",
 ) -> str | None:
     """Check every part of ``state`` (:func:`run_state`'s, or a ``GradScaler``'s), then load it.
 
     ``None`` is a checkpoint without one: only the masters in ``model_state`` are checked. Returns
     the note to say where only one side has a loss-scaler state (:func:`load_scaler_state`).
     """
-    check_run_state(state, scaler, guard, half, model_state)
+    check_run_state(state, scaler, guard, half, model_state, call)
     if state is None:
         return None
-    scaler_state, guard_state, rounding = _state_parts(state, scaler)
+    scaler_state, guard_state, rounding = _state_parts(state, scaler, call)
     # The scaler or the guard first: each refuses a load in the middle of an iteration.
     note = load_scaler_state(scaler, scaler_state)
     if guard is not None and guard_state is not None:
@@ -562,11 +569,30 @@ def load_run_state(
 
 
 def _state_parts(
-    state: dict[str, Any] | None, scaler: LossScaler | None
+    state: dict[str, Any] | None, scaler: LossScaler | None, call: str
 ) -> tuple[dict[str, Any], dict[str, Any] | None, object]:
-    """``state``'s scaler part, the guard's (where a guard checks, not a scaler), the rounding's."""
+    """``state``'s scaler part, the guard's (where a guard checks, not a scaler), the rounding's.
+
+    Raises ``TypeError`` for a ``state`` that is not a dict, ``ValueError`` for a ``"guard"`` that
+    is not one.
+    """
     if state is None:
         return {}, None, None
+    if not isinstance(state, dict):
+        fail(
+            call,
+            passed=f"state={type(state).__name__}",
+            allowed="a dict: the state_dict() of AMPPrecision (Trainer or Fabric) or of a GradScaler",
+            hint="pass what the plugin's state_dict() returned (or fabric.load's entry for it).",
+            error=TypeError,
+        )
+    if "guard" in state and not isinstance(state["guard"], dict):
+        guard = state["guard"]
+        raise ValueError(
+            f"The state has a 'guard' of {type(guard).__name__} {guard!r:.80}; expected the guard's "
+            "state dict (LossScaler.state_dict()). HINT: the checkpoint is corrupt; resume without it "
+            "or fix the entry."
+        )
     scaler_state = {key: value for key, value in state.items() if key not in STATE_EXTRAS}
     # With a loss scaler, the scaler is the guard and its state the top level.
     guard_state = state.get("guard") if scaler is None else None

@@ -190,7 +190,8 @@ class AMPFSDPPrecision(FSDPPrecision):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s result (or a ``GradScaler``'s); every part is checked first."""
-        note = load_run_state(state_dict, self._scaler, self._driver.scaler)
+        call = "AMPFSDPPrecision.load_state_dict"
+        note = load_run_state(state_dict, self._scaler, self._driver.scaler, call=call)
         if note is not None:
             rank_zero_warn(note)
 

@@ -156,3 +156,19 @@ def test_the_runs_metrics_count_a_skip_as_both_plugins_report_it() -> None:
     metrics = run.metrics(3.0)
     assert metrics == {"amp/scale": 2.0, "amp/skipped_steps": 1.0, "amp/skip_rate": 0.5, "amp/grad_norm": 3.0}
     assert FabricAMPPrecision("16-mixed", device="cpu").metrics(grad_norm=3.0)["amp/grad_norm"] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        ([1], TypeError, r"AMPPrecision.load_state_dict\(state=list\).*Allowed: a dict.*HINT"),
+        ("x", TypeError, r"state=str.*HINT"),
+        ({"guard": 3}, ValueError, r"'guard' of int 3.*HINT"),
+    ],
+)
+def test_a_state_of_the_wrong_shape_is_refused_with_a_hint(state: object, error: type, match: str) -> None:
+    run = AMPRun("bf16-mixed", "cpu")
+    before = run.state_dict()
+    with pytest.raises(error, match=match):
+        run.load_state_dict(state)  # type: ignore[arg-type]
+    assert run.state_dict() == before
