@@ -268,3 +268,18 @@ def check_tensor_scalar(call: str, name: str, value: object, hint: str = "") -> 
             hint=hint or "pass a float.",
         )
     return value  # type: ignore[return-value]
+
+
+def check_module(call: str, name: str, value: object, hint: str = "pass the model itself.") -> Any:
+    """``value`` if it is a ``torch.nn.Module``; else raise ``TypeError`` (what was passed, ``HINT:``).
+
+    Example:
+        >>> check_module("audit", "model", 3)
+        Traceback (most recent call last):
+        ...
+        TypeError: audit(model=int) is not allowed here: wrong type. Allowed: a torch.nn.Module. HINT: ...
+    """
+    if not isinstance(value, torch.nn.Module):
+        passed = f"{name}={type(value).__name__}"
+        fail(call, passed=passed, allowed="a torch.nn.Module", hint=hint, error=TypeError)
+    return value

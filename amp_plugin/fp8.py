@@ -54,7 +54,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from amp_plugin._imports import require_torchao
 from amp_plugin._sharding import has_dtensor
-from amp_plugin._validation import check_bool, check_choice, check_int, fail
+from amp_plugin._validation import check_bool, check_choice, check_int, check_module, fail
 
 __all__ = ["RECIPES", "Float8", "Float8Report", "convert", "select_layers"]
 
@@ -301,6 +301,7 @@ def select_layers(
         >>> [(c.name, c.reason) for c in select_layers(model, Float8(filter={"0"})).left_out]
         [('1', 'dims 64x50 not multiples of 16'), ('2', 'not selected by the filter')]
     """
+    check_module("select_layers", "model", model)
     spec = Float8.of(spec, "select_layers") or Float8()
     linears = list(_linears(model))
     in_fp32 = _in_fp32_modules(model, tuple(fp32_modules))
@@ -401,6 +402,7 @@ def convert(
         ...     print(("1",))  # torchao is not installed
         ('1',)
     """
+    check_module("convert", "model", model)
     spec = Float8.of(spec, "convert") or Float8()
     require_torchao(f"AMPPrecision(fp8={spec.recipe!r})")
     report = select_layers(model, spec, fp32_modules)

@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._sharding import has_dtensor
-from amp_plugin._validation import fail
+from amp_plugin._validation import check_module, fail
 from amp_plugin.diagnostics._audit import join_names
 from amp_plugin.fp32_policy import check_module_classes
 
@@ -612,6 +612,7 @@ def masters_of(module: nn.Module) -> MasterWeights | None:
         >>> masters_of(model) is masters
         True
     """
+    check_module("masters_of", "module", module)
     found = None
     for hook in module._state_dict_hooks.values():  # the latest registration is the one that reports
         if isinstance(hook, _ModuleHooks):

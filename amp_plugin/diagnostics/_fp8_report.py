@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from amp_plugin import fp8
 from amp_plugin._imports import require_torchao
+from amp_plugin._validation import check_module
 
 __all__ = ["Fp8LayerError", "format_fp8_report", "fp8_hardware", "fp8_report", "sqnr_db"]
 
@@ -106,6 +107,7 @@ def fp8_report(
         >>> [layer["name"] for layer in report["layers"]]
         ['0', '2', '3']
     """
+    check_module("fp8_report", "model", model)
     spec = fp8.Float8.of(spec, "fp8_report") or fp8.Float8()
     require_torchao("doctor --fp8")
     started = time.perf_counter()

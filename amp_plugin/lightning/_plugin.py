@@ -28,6 +28,7 @@ from amp_plugin._fit_start import is_lbfgs, module_device
 from amp_plugin._run import AMPRun, RunOptions
 from amp_plugin._scaler import LossScaler
 from amp_plugin._schedulers import hold_step_schedulers
+from amp_plugin._validation import fail
 from amp_plugin.lightning import _checkpoint as checkpoints
 from amp_plugin.lightning import _checks as checks
 from amp_plugin.lightning import _compat
@@ -309,6 +310,14 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             ...
             ValueError: The checkpoint's 'amp_plugin' entry is str 'garbage'; ... HINT: ...
         """
+        if not isinstance(checkpoint, dict):
+            fail(
+                "AMPPrecision.check_checkpoint",
+                passed=f"checkpoint={type(checkpoint).__name__}",
+                allowed="the checkpoint dict (what torch.load of a Lightning .ckpt gives)",
+                hint="pass the dict LightningModule.on_load_checkpoint receives.",
+                error=TypeError,
+            )
         self._run.check_state_dict(checkpoints.run_state_of(checkpoint), checkpoint.get("state_dict"))
 
     @override

@@ -373,3 +373,13 @@ def test_a_name_filter_is_copied_and_compared() -> None:
     assert spec.filter == frozenset({"blocks.0.fc1"})
     assert spec == Float8(filter={"blocks.0.fc1"}) != Float8(filter={"head"})
     assert hash(spec) == hash(Float8())  # hashable; the filter is left out of the hash
+
+
+@pytest.mark.parametrize("call", ["select_layers", "convert", "fp8_report"])
+def test_what_is_not_a_model_is_refused_with_a_hint(call: str) -> None:
+    from amp_plugin import diagnostics, fp8
+
+    function = diagnostics.fp8_report if call == "fp8_report" else getattr(fp8, call)
+    match = rf"^{call}\(model=int\) is not allowed here: .*torch\.nn\.Module.*HINT"
+    with pytest.raises(TypeError, match=match):
+        function(3)

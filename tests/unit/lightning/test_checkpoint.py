@@ -141,3 +141,8 @@ def test_the_load_warning_points_at_the_plugin() -> None:
     lines, start = inspect.getsourcelines(AMPPrecision.load_state_dict)
     assert caught[0].filename == inspect.getsourcefile(AMPPrecision)
     assert start <= caught[0].lineno < start + len(lines)
+
+
+def test_check_checkpoint_of_what_is_not_a_checkpoint_is_refused_with_a_hint() -> None:
+    with pytest.raises(TypeError, match=r"^AMPPrecision.check_checkpoint\(checkpoint=int\).*HINT"):
+        AMPPrecision("16-mixed", device="cpu").check_checkpoint(3)  # type: ignore[arg-type]

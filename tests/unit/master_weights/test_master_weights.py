@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from amp_plugin import LossScaler
-from amp_plugin.master_weights import NORM_LAYERS, MasterWeights, cast_model
+from amp_plugin.master_weights import NORM_LAYERS, MasterWeights, cast_model, masters_of
 
 
 def _model() -> nn.Module:
@@ -396,3 +396,8 @@ def test_non_persistent_buffers_stay_as_they_are() -> None:
     cast_model(model, torch.bfloat16)
     assert model.inv_freq.dtype == torch.float32  # rotary frequencies: rounding them shifts every position
     assert model.table.dtype == torch.bfloat16
+
+
+def test_masters_of_what_is_not_a_module_is_refused_with_a_hint() -> None:
+    with pytest.raises(TypeError, match=r"^masters_of\(module=int\) is not allowed here: .*HINT"):
+        masters_of(3)  # type: ignore[arg-type]
