@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from amp_plugin import _clipping as clipping
+from amp_plugin._distributed import global_norm
 from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._scaler import LossScaler
 from amp_plugin._sharding import ShardAwareKernels
@@ -55,6 +56,8 @@ class StepDriver:
         before_read: called with the real optimizer before a clip, a norm or the hooks read the
             gradients' values (remainder masters make their fp32 gradients there; the inf check
             before the step needs no such call).
+        sharded: the gradients are this rank's shard of plain tensors (FSDP1): the norms it
+            clips by and records (:attr:`last_grad_norm`) are those of every rank's shard.
 
     Example:
         >>> import torch
@@ -76,11 +79,19 @@ class StepDriver:
         before_step: Callable[[Any], None] | None = None,
         kernels: Backend = "auto",
         before_read: Callable[[Any], None] | None = None,
+        *,
+        sharded: bool = False,
     ) -> None:
         self.scaler = scaler
         self.before_step = before_step
         self.kernels = kernels
         self.before_read = before_read
+        self.sharded = sharded
+        #: The unscaled total norm of the gradients before clipping, of this batch's latest step:
+        #: what a norm clip computed, or what :meth:`request_grad_norm` asked for; ``None`` else.
+        self.last_grad_norm: Tensor | None = None
+        self._want_norm = False  # request_grad_norm() was called for the next step
+        self._checked = False  # a clip checked the gradients after the hooks of the step running now
         self._skips: dict[int, Skip] = {}  # id(real optimizer) -> whether its latest step was skipped
         self._last: Skip | None = None  # the latest step's flag, until the batch's scale update
         self._stepped_since_backward: set[int] = set()  # optimizers that may not step again yet
@@ -88,6 +99,14 @@ class StepDriver:
         self._in_batch: list[Skip] = []  # the flags of this batch's steps, until its scale update
         self._batch: Skip = False  # whether the last updated batch skipped a step
         self._before_next: list[Callable[[], None]] = []  # run once, before the next step of any optimizer
+
+    def begin_batch(self) -> None:
+        """A training batch starts: forget the previous batch's :attr:`last_grad_norm`."""
+        self.last_grad_norm = None
+
+    def request_grad_norm(self) -> None:
+        """Have the next step record :attr:`last_grad_norm` even without a norm clip (one read)."""
+        self._want_norm = True
 
     def backward_done(self) -> None:
         """A backward ran: every optimizer may step (again) on its gradients."""
@@ -98,6 +117,7 @@ class StepDriver:
         opt = unwrap_optimizer(optimizer)
         self.settle()
         run_hooks()
+        self._want_norm, self.last_grad_norm = False, None  # no step: no norm of it
         if self.scaler is not None:
             self.scaler.forget(opt)  # nothing of this batch may be taken for the next one's state
         # Holds its scheduler; no scale update follows, so it is no part of the next batch's flags.
@@ -106,7 +126,7 @@ class StepDriver:
     def step(
         self,
         optimizer: Any,
-        run_hooks: Callable[[], bool],
+        run_hooks: Callable[[], object],
         *,
         observe_unscaled: bool = True,
         update: bool = True,
@@ -117,9 +137,9 @@ class StepDriver:
 
         Args:
             optimizer: the optimizer (a wrapper is unwrapped once, here).
-            run_hooks: runs what may look at or change the gradients before the step (hooks,
-                clipping); returns whether a clip checked the gradients after the hooks (a norm
-                clip's norm, or a value clip's check before its clamp).
+            run_hooks: runs what may look at or change the gradients before the step (hooks, and
+                clipping through :meth:`clip_grad_norm_` / :meth:`clip_grad_value_`, whose check
+                of the gradients after the hooks spares the recheck).
             observe_unscaled: unscale before ``run_hooks``, so that they see unscaled gradients,
                 and check again after them; ``False`` is the fast clipping path.
             update: update the scale now (automatic optimization); ``False`` waits for
@@ -136,14 +156,14 @@ class StepDriver:
             self._read(opt)
         scaler = self.scaler
         if scaler is None:
-            run_hooks()
+            self._run_hooks(opt, run_hooks)
             return optimizer.step(**kwargs)
         stage = self._arm(scaler, opt)
         # A guard has nothing to unscale: its one check runs after the hooks (in a clip, or in step).
         observe_unscaled = observe_unscaled and not scaler.is_guard
         if observe_unscaled and stage == "ready":
             scaler.unscale_(opt)  # the hooks below see unscaled gradients
-        checked = run_hooks()
+        checked = self._run_hooks(opt, run_hooks)
         if observe_unscaled and not checked:
             scaler.recheck_(opt)  # a hook may have written inf/NaN after unscale_
         result = scaler.step(optimizer, **kwargs)
@@ -155,6 +175,15 @@ class StepDriver:
             self._stepped_in_batch = True
         return result
 
+    def _run_hooks(self, opt: Any, run_hooks: Callable[[], object]) -> bool:
+        """Run the hooks; record a requested norm no clip computed; whether a clip checked the gradients."""
+        self._checked = False
+        run_hooks()
+        if self._want_norm and self.last_grad_norm is None:
+            self.last_grad_norm = self.grad_norm(opt)
+        self._want_norm = False
+        return self._checked
+
     def end_batch(self) -> None:
         """Close a batch of manual optimization: one scale update after all of its steps."""
         if self._stepped_in_batch:
@@ -162,30 +191,47 @@ class StepDriver:
             self._update()
 
     def clip_grad_norm_(self, optimizer: Any, max_norm: float) -> Tensor:
-        """Clip by the unscaled total norm (through the scaler: no extra pass for its check); return it."""
+        """Clip by the unscaled total norm (through the scaler: no extra pass for its check); return it.
+
+        The norm is kept as :attr:`last_grad_norm`; with a scaler, the clip checked the gradients.
+        """
         opt = unwrap_optimizer(optimizer)
         self._read(opt)
         if self.scaler is not None:
-            return self.scaler.clip_grad_norm_(opt, max_norm)
-        grads = clipping.gradients(opt.param_groups)
-        return clipping.clip_grad_norm_(self._kernels_for(grads), grads, max_norm).total_norm
+            norm = self.scaler.clip_grad_norm_(opt, max_norm, sharded=self.sharded)
+            self._checked = True
+        else:
+            grads = clipping.gradients(opt.param_groups)
+            norm = clipping.clip_grad_norm_(self._kernels_for(grads), grads, max_norm).total_norm
+        self.last_grad_norm = norm
+        return norm
 
     def clip_grad_value_(self, optimizer: Any, clip_value: float) -> None:
-        """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``."""
+        """Clamp every unscaled gradient element to ``[-clip_value, clip_value]``.
+
+        A requested :attr:`last_grad_norm` is taken first (the norm before the clip).
+        """
+        if self._want_norm and self.last_grad_norm is None:
+            self.last_grad_norm = self.grad_norm(optimizer)
         self._read(unwrap_optimizer(optimizer))
         if self.scaler is not None:
             self.scaler.clip_grad_value_(optimizer, clip_value)
+            self._checked = True  # the clip checked the gradients before clamping them
             return
         params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
     def grad_norm(self, optimizer: Any) -> Tensor:
-        """The total norm of the unscaled gradients, leaving them as they are (one read)."""
+        """The total norm of the unscaled gradients (every rank's shard, if sharded), untouched (one read)."""
         self._read(unwrap_optimizer(optimizer))
         if self.scaler is not None:
-            return self.scaler.grad_norm(optimizer)
-        grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
-        return self._kernels_for(grads).norm(grads)
+            norm = self.scaler.grad_norm(optimizer)
+        else:
+            grads = clipping.gradients(unwrap_optimizer(optimizer).param_groups)
+            norm = self._kernels_for(grads).norm(grads)
+        if not self.sharded:
+            return norm
+        return global_norm(norm, 2.0, None if self.scaler is None else self.scaler.process_group)
 
     def _read(self, opt: Any) -> None:
         if self.before_read is not None:

@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from amp_plugin._distributed import global_norm
 from amp_plugin._optim import handles_unscaling
 from amp_plugin._run import assigned_scaler, guard_of, load_run_state, run_state
 from amp_plugin._scaler import LossScaler
@@ -116,10 +115,10 @@ class AMPFSDPPrecision(FSDPPrecision):
             scaler = LossScaler("cuda", kernels=kernels)
         _compat.init_fsdp_precision(self, precision, scaler)
         # Every step checked, on every rank.
-        self._driver = StepDriver(guard_of(scaler, guard, kernels, spike_guard), kernels=kernels)
+        # Each rank holds its own shard of the gradients: norms are of every rank's shard together.
+        checker = guard_of(scaler, guard, kernels, spike_guard)
+        self._driver = StepDriver(checker, kernels=kernels, sharded=True)
         self.fp8_report: Float8Report | None = None  # FSDP's own config casts; no fp8 conversion here
-        self.last_grad_norm: Tensor | None = None  # unscaled, of every shard, before clipping
-        self._want_grad_norm = self._clip_checked = False
 
     @override
     def connect(
@@ -157,13 +156,8 @@ class AMPFSDPPrecision(FSDPPrecision):
             self._driver.not_stepped(optimizer, lambda: _compat.after_closure(self, model, optimizer))
             return None
 
-        def hooks() -> bool:  # whether a clip checked the gradients after the hooks
-            self._clip_checked = False
+        def hooks() -> None:  # the hooks, then clipping, as Lightning runs them
             _compat.after_closure(self, model, optimizer)
-            if self._want_grad_norm and self.last_grad_norm is None:
-                self.last_grad_norm = self._grad_norm(optimizer)
-            self._want_grad_norm = False
-            return self._clip_checked
 
         # Fused optimizers unscale inside their step; the others before the hooks (and clipping) see them.
         unscale = not handles_unscaling(optimizer)
@@ -174,7 +168,7 @@ class AMPFSDPPrecision(FSDPPrecision):
     @override
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
-        self.last_grad_norm = None  # once per batch, before any clip
+        self._driver.begin_batch()  # once per batch, before any clip
         with super().train_step_context():
             yield
         self._driver.end_batch()  # manual optimization: one update per batch, after every step
@@ -251,15 +245,17 @@ class AMPFSDPPrecision(FSDPPrecision):
         """Whether the latest optimizer step was skipped for an inf/NaN loss or gradient."""
         return self._driver.last_step_skipped
 
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """The unscaled norm before clipping of every rank's gradient shard, this batch's latest, or ``None``.
+
+        What a norm clip computed, or what :meth:`request_grad_norm` asked for.
+        """
+        return self._driver.last_grad_norm
+
     def request_grad_norm(self) -> None:
         """Have the next optimizer step record ``last_grad_norm`` (of every shard) even without clipping."""
-        self._want_grad_norm = True
-
-    def _grad_norm(self, optimizer: Optimizer) -> Tensor:
-        """The unscaled norm of every rank's gradient shard, gradients untouched (one all-reduce)."""
-        guard = self._driver.scaler
-        group = None if guard is None else guard.process_group
-        return global_norm(self._driver.grad_norm(optimizer), 2.0, group)
+        self._driver.request_grad_norm()
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -278,13 +274,9 @@ class AMPFSDPPrecision(FSDPPrecision):
                 allowed="the guard on (the norm clip goes through its LossScaler)",
                 hint="use gradient_clip_algorithm='value', or drop guard=False.",
             )
-        self._clip_checked = True
-        self.last_grad_norm = guard.clip_grad_norm_(optimizer, float(clip_val), sharded=True)
+        self._driver.clip_grad_norm_(optimizer, float(clip_val))  # sharded: the norm of every shard
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clamp the unscaled gradients (a fused optimizer's too: they are unscaled for the clamp first)."""
-        if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
-            self.last_grad_norm = self._grad_norm(optimizer)
         self._driver.clip_grad_value_(optimizer, float(clip_val))
-        self._clip_checked = True  # the clip checked the gradients before clamping them

@@ -82,10 +82,9 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         **options: Unpack[RunOptions],
     ) -> None:
         self._run = AMPRun(precision, device, scaler, say=_say, **options)
-        self.last_grad_norm: Tensor | None = None  # unscaled, before clipping, when a clip computed it
         self._fast_clip = self._run.clip_fused is True
         self._hooks_read = True  # a hook may read gradient values (known once a Trainer connects)
-        self._want_grad_norm = self._clip_checked = self._no_clip = False
+        self._no_clip = False  # training_step returned None: the hooks run, nothing clips
 
     def __repr__(self) -> str:
         # Lightning names a plugin it refuses ("Received both `precision=...` and `plugins=...`") by str().
@@ -206,7 +205,8 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
     def train_step_context(self) -> Generator[None, None, None]:
         # Once per batch, before any clip: a manual clip_gradients() records the norm that
         # optimizer_step must not forget.
-        self.last_grad_norm = None
+        if self._run.driver is not None:
+            self._run.driver.begin_batch()
         with self.forward_context():
             yield
         # Manual optimization: one update per training batch, after every optimizer's step.
@@ -250,32 +250,18 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
                 half.flush_gradients(optimizer)
             self._no_clip = True
             try:
-                driver.not_stepped(optimizer, lambda: self._observe_gradients(model, optimizer))
+                driver.not_stepped(optimizer, lambda: _compat.after_closure(self, model, optimizer))
             finally:
                 self._no_clip = False
-            self.last_grad_norm = None
             return closure_result
         return driver.step(
             optimizer,
-            lambda: self._run_hooks(model, optimizer),
+            lambda: _compat.after_closure(self, model, optimizer),  # the hooks, then clipping, as Lightning
             observe_unscaled=not self._fast_clip,
             hooks_read=self._hooks_read,
             update=model.automatic_optimization,
             **kwargs,
         )
-
-    def _run_hooks(self, model: LightningModule, optimizer: Any) -> bool:
-        """``on_before_optimizer_step`` and clipping; whether a clip checked the gradients after the hooks."""
-        self._clip_checked = False
-        self._observe_gradients(model, optimizer)
-        return self._clip_checked
-
-    def _observe_gradients(self, model: LightningModule, optimizer: Any) -> None:
-        """Between backward and step: the ``on_before_optimizer_step`` hooks, then clipping, then the norm."""
-        _compat.after_closure(self, model, optimizer)  # Lightning's own order of the two
-        if self._want_grad_norm and self.last_grad_norm is None:
-            self.last_grad_norm = self._run.require_driver().grad_norm(optimizer)
-        self._want_grad_norm = False
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -327,13 +313,22 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
     # -- clipping and the gradient norm ----------------------------------------------------------
 
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """The unscaled total gradient norm before clipping, of this batch's latest step, or ``None``.
+
+        What a norm clip computed, or what :meth:`request_grad_norm` asked for (the step driver's).
+        """
+        driver = self._run.driver
+        return None if driver is None else driver.last_grad_norm
+
     def request_grad_norm(self) -> None:
         """Have the next optimizer step record ``last_grad_norm`` even without clipping.
 
         With clipping on, the norm comes free with the clip; otherwise it costs one read of the
         gradients, which is why it is asked for per step (e.g. on logging steps only).
         """
-        self._want_grad_norm = True
+        self._run.require_driver().request_grad_norm()
 
     @override
     def clip_gradients(
@@ -351,15 +346,11 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self._clip_checked = True
-        self.last_grad_norm = self._run.require_driver().clip_grad_norm_(optimizer, float(clip_val))
+        self._run.require_driver().clip_grad_norm_(optimizer, float(clip_val))  # keeps last_grad_norm
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if self._want_grad_norm and self.last_grad_norm is None:  # the norm before clipping
-            self.last_grad_norm = self._run.require_driver().grad_norm(optimizer)
         self._run.require_driver().clip_grad_value_(optimizer, float(clip_val))
-        self._clip_checked = True  # the clip checked the gradients before clamping them
 
 
 _NO_FP32_ACCUMULATION = (

@@ -113,3 +113,38 @@ def test_a_batch_without_gradients_does_not_mark_the_next_batch_as_skipped() -> 
     _backward(driver, model)
     driver.step(opt, lambda: False)
     assert not driver.last_step_skipped and driver.last_skip is False
+
+
+def test_the_driver_keeps_the_norm_a_clip_computed_or_a_request_asked_for() -> None:
+    """One owner of a step's gradient norm: the plugins read ``last_grad_norm`` from the driver."""
+    model, opt = _model_and_opt()
+    driver = StepDriver(LossScaler("cpu", init_scale=2.0**8))
+    unscaled = [torch.full((2, 4), 3.0), torch.full((2,), 3.0)]  # 3 rows of ones
+    exact = torch.cat([g.flatten() for g in unscaled]).double().norm().item()
+
+    driver.begin_batch()
+    opt.zero_grad()
+    _backward(driver, model)
+    driver.step(opt, lambda: None)
+    assert driver.last_grad_norm is None  # neither clipped nor asked for: no read
+
+    driver.begin_batch()
+    opt.zero_grad()
+    _backward(driver, model)
+    driver.request_grad_norm()
+    driver.step(opt, lambda: None)
+    assert driver.last_grad_norm is not None and driver.last_grad_norm.item() == pytest.approx(exact)
+
+    driver.begin_batch()
+    assert driver.last_grad_norm is None
+    opt.zero_grad()
+    _backward(driver, model)
+    driver.step(opt, lambda: driver.clip_grad_norm_(opt, 1.0))
+    assert driver.last_grad_norm is not None and driver.last_grad_norm.item() == pytest.approx(exact)
+
+    driver.begin_batch()
+    opt.zero_grad()
+    _backward(driver, model)
+    driver.request_grad_norm()
+    driver.not_stepped(opt, lambda: None)  # training_step returned None: no step, no norm
+    assert driver.last_grad_norm is None
