@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import parallel_apply as _torch_parallel_apply
 from torch.overrides import TorchFunctionMode
 
-from amp_plugin._validation import autocast_device_types, check_device_type, fail
+from amp_plugin._validation import autocast_device_types, check_device_type, check_module, fail
 
 __all__ = ["AutocastState", "CarriedFunctionMode", "find_data_parallel"]
 
@@ -229,14 +229,7 @@ def find_data_parallel(module: nn.Module) -> list[str]:
         >>> find_data_parallel(torch.nn.Sequential(torch.nn.DataParallel(torch.nn.Linear(2, 2))))
         ['0']
     """
-    if not isinstance(module, nn.Module):
-        fail(
-            "find_data_parallel",
-            passed=f"module={type(module).__name__}",
-            allowed="a torch.nn.Module",
-            hint="pass the model itself.",
-            error=TypeError,
-        )
+    check_module("find_data_parallel", "module", module, hint="pass the model itself.")
     return [
         name
         for name, sub in module.named_modules()

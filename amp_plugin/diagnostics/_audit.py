@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from amp_plugin._validation import check_int, fail
+from amp_plugin._validation import check_int, check_module
 from amp_plugin.numerics import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 
 __all__ = ["AuditReport", "Finding", "audit_model", "join_names"]
@@ -142,14 +142,7 @@ def audit_model(model: nn.Module) -> AuditReport:
         >>> [f.code for f in audit_model(nn.Linear(3, 8)).findings]
         ['tensor-core-size']
     """
-    if not isinstance(model, nn.Module):
-        fail(
-            "audit_model",
-            passed=f"model={type(model).__name__}",
-            allowed="a torch.nn.Module",
-            hint="pass the model instance, e.g. audit_model(MyModel()).",
-            error=TypeError,
-        )
+    check_module("audit_model", "model", model, hint="pass the model instance, e.g. audit_model(MyModel()).")
     findings: list[Finding] = []
     for name, module in model.named_modules():
         findings += [*_sizes(name, module), *_norm(name, module), *_losses(name, module)]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from amp_plugin._optim import unwrap_optimizer
-from amp_plugin._validation import check_bool, check_device_type, fail
+from amp_plugin._validation import check_bool, check_device_type, check_module, fail
 from amp_plugin.diagnostics._audit import Finding, join_names
 
 __all__ = ["check_optimizer_setup"]
@@ -88,14 +88,7 @@ def _as_list(optimizers: Any) -> list[Any]:
 
 
 def _check_setup_args(model: Any, device: Any, dtype: Any, master_weights: Any, grad_scaling: Any) -> str:
-    if not isinstance(model, nn.Module):
-        fail(
-            _CALL,
-            passed=f"model={type(model).__name__}",
-            allowed="a torch.nn.Module",
-            hint="pass the model whose parameters the optimizers hold.",
-            error=TypeError,
-        )
+    check_module(_CALL, "model", model, hint="pass the model whose parameters the optimizers hold.")
     device_type = check_device_type(_CALL, "device_type", device)
     if dtype not in (torch.float16, torch.bfloat16):
         error = ValueError if isinstance(dtype, torch.dtype) else TypeError

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from amp_plugin._validation import fail
+from amp_plugin._validation import check_module
 from amp_plugin.diagnostics._nonfinite import dtype_name, nonfinite_kind
 from amp_plugin.numerics import FP16_MAX
 
@@ -143,16 +143,8 @@ class NonFiniteTracer:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        given: object = model  # typed callers cannot pass anything else; untyped ones can
-        if not isinstance(given, nn.Module):
-            hint = "pass the model (e.g. the LightningModule), not its output or its parameters."
-            fail(
-                "NonFiniteTracer",
-                passed=f"model={type(given).__name__}",
-                allowed="a torch.nn.Module",
-                hint=hint,
-                error=TypeError,
-            )
+        hint = "pass the model (e.g. the LightningModule), not its output or its parameters."
+        check_module("NonFiniteTracer", "model", model, hint)  # untyped callers can pass anything
         self._model = model
         self._root = f"<{type(model).__name__}>"
         self._handles: list[RemovableHandle] = []
