@@ -85,6 +85,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         self._fast_clip = self._run.clip_fused is True
         self._hooks_read = True  # a hook may read gradient values (known once a Trainer connects)
         self._no_clip = False  # training_step returned None: the hooks run, nothing clips
+        self._norm_asked = False  # request_grad_norm() before the precision (and its driver) resolved
 
     def __repr__(self) -> str:
         # Lightning names a plugin it refuses ("Received both `precision=...` and `plugins=...`") by str().
@@ -152,6 +153,9 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             self._hooks_read = checks.hooks_observe_gradients(module, trainer)
             self._fast_clip = self.clip_fused is True or (self.clip_fused == "auto" and not self._hooks_read)
         hold_step_schedulers(lr_schedulers, run.require_driver(), self.lr_on_skip)
+        if self._norm_asked:  # asked before fit: the driver exists now
+            self._norm_asked = False
+            run.require_driver().request_grad_norm()
         return model, optimizers, lr_schedulers
 
     def _accumulates_in_fp32(self, model: nn.Module, module: nn.Module) -> tuple[bool, Any]:
@@ -328,7 +332,11 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         With clipping on, the norm comes free with the clip; otherwise it costs one read of the
         gradients, which is why it is asked for per step (e.g. on logging steps only).
         """
-        self._run.require_driver().request_grad_norm()
+        driver = self._run.driver
+        if driver is None:  # before fit: resolving now could pick another device than the model's
+            self._norm_asked = True
+        else:
+            driver.request_grad_norm()
 
     @override
     def clip_gradients(

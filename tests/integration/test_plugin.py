@@ -491,3 +491,13 @@ def test_a_cpu_that_emulates_half_precision_is_named(native: bool, monkeypatch: 
     said = [str(w.message) for w in caught if "emulates bf16" in str(w.message)]
     assert len(said) == (0 if native else 1)
     assert native or "HINT: train in fp32" in said[0]
+
+
+def test_a_norm_requested_before_fit_resolves_nothing_early_and_is_kept() -> None:
+    """Asked before fit: the precision resolves on the model's device still; the first step keeps the norm."""
+    plugin = AMPPrecision("bf16-mixed")  # the device comes from the model at fit
+    plugin.request_grad_norm()
+    assert plugin.device is None
+    module = TinyModule(poison=())
+    _fit(module, plugin, steps=1)
+    assert plugin.device == "cpu" and plugin.last_grad_norm is not None
