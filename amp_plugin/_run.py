@@ -55,7 +55,6 @@ __all__ = [
     "AMPRun",
     "RunOptions",
     "assigned_scaler",
-    "check_run_state",
     "guard_of",
     "load_run_state",
     "load_scaler_state",
@@ -476,7 +475,7 @@ class AMPRun:
         in a checkpoint, whose fp32 master entries must fit the master weights (``None``: unknown).
         """
         call = f"{self.call}.check_state_dict"
-        check_run_state(state, self._scaler, self.guard, self.half, model_state, call)
+        load_run_state(state, self._scaler, self.guard, self.half, model_state, call, check_only=True)
 
     def load_state_dict(self, state: dict[str, Any] | None, model_state: object = None) -> None:
         """Load :meth:`state_dict`'s result, or a ``GradScaler``'s state; everything is checked first.
@@ -521,17 +520,23 @@ def run_state(
     return state
 
 
-def check_run_state(
+def load_run_state(
     state: dict[str, Any] | None,
     scaler: LossScaler | None,
     guard: LossScaler | None,
     half: HalfWeights | None = None,
     model_state: object = None,
     call: str = "load_state_dict",
-) -> None:
-    """Raise ``ValueError``/``TypeError`` if :func:`load_run_state` would refuse a part; change nothing.
+    *,
+    check_only: bool = False,
+) -> str | None:
+    """Check every part of ``state`` (:func:`run_state`'s, or a ``GradScaler``'s), then load it.
 
-    ``call`` names the method the user called, in the message for a ``state`` that is not a dict.
+    Refused (``ValueError``/``TypeError``) before anything loads: a part that would not load, the
+    masters in ``model_state`` that would not fit, a ``state`` that is not a dict (named as
+    ``call``). ``None`` is a checkpoint without one: only ``model_state`` is checked.
+    ``check_only`` stops after the checks. Returns the note to say where only one side has a
+    loss-scaler state (:func:`load_scaler_state`).
     """
     scaler_state, guard_state, rounding = _state_parts(state, scaler, call)
     if scaler is not None and scaler_state:
@@ -540,25 +545,8 @@ def check_run_state(
         guard.check_state_dict(guard_state)
     if half is not None:
         half.check(rounding, model_state)
-
-
-def load_run_state(
-    state: dict[str, Any] | None,
-    scaler: LossScaler | None,
-    guard: LossScaler | None,
-    half: HalfWeights | None = None,
-    model_state: object = None,
-    call: str = "load_state_dict",
-) -> str | None:
-    """Check every part of ``state`` (:func:`run_state`'s, or a ``GradScaler``'s), then load it.
-
-    ``None`` is a checkpoint without one: only the masters in ``model_state`` are checked. Returns
-    the note to say where only one side has a loss-scaler state (:func:`load_scaler_state`).
-    """
-    check_run_state(state, scaler, guard, half, model_state, call)
-    if state is None:
+    if check_only or state is None:
         return None
-    scaler_state, guard_state, rounding = _state_parts(state, scaler, call)
     # The scaler or the guard first: each refuses a load in the middle of an iteration.
     note = load_scaler_state(scaler, scaler_state)
     if guard is not None and guard_state is not None:
@@ -595,8 +583,7 @@ def _state_parts(
         )
     scaler_state = {key: value for key, value in state.items() if key not in STATE_EXTRAS}
     # With a loss scaler, the scaler is the guard and its state the top level.
-    guard_state = state.get("guard") if scaler is None else None
-    guard_state = guard_state if isinstance(guard_state, dict) and guard_state else None
+    guard_state = (state.get("guard") or None) if scaler is None else None
     return scaler_state, guard_state, state.get("rounding")
 
 
