@@ -329,9 +329,9 @@ class LossScaler:
             return _ScaledLoss.apply(loss) if loss.requires_grad else loss
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
-        # Integer outputs take the fp32 factor as it is (type promotion makes them fp32, as torch's do).
-        dtype = loss.dtype if loss.is_floating_point() else None
-        factor = scale.to(device=loss.device, dtype=dtype, non_blocking=True)
+        # Type promotion gives the product the loss's dtype (fp64 stays fp64, integers become fp32,
+        # as torch's do): only a loss on another device needs the factor moved.
+        factor = scale if scale.device == loss.device else scale.to(loss.device, non_blocking=True)
         if not loss.requires_grad:
             return loss * factor
         # A non-finite loss can have finite gradients (a NaN from a term no parameter is in), and its
