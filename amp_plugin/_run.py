@@ -384,7 +384,13 @@ class AMPRun:
         if module is not None:
             device, dtype = self.settings(module_device(module))
             scaling = self._scaler is not None
-            check_fit_start(module, optimizers, device, dtype, scaling, self.weights, self.say)
+            try:
+                check_fit_start(module, optimizers, device, dtype, scaling, self.weights, self.say)
+            except ValueError as refusal:
+                if self.half is None or not self.half.converted(module):
+                    raise
+                cast = _CAST_BEFORE_REFUSAL.format(dtype=str(dtype).removeprefix("torch."))
+                raise ValueError(f"{refusal} {cast}") from None
         if self.half is not None:
             self.half.attach(optimizers)
         elif self._scaler is None and self.guard_on and any(map(is_lbfgs, optimizers)):
@@ -432,11 +438,12 @@ class AMPRun:
             return autocast
         return _entered(autocast, default_dtype(half) if half is not None else None, functions)
 
-    def metrics(self, grad_norm: float = math.nan) -> dict[str, float]:
+    def metrics(self, grad_norm: float | None = None) -> dict[str, float]:
         """The ``amp/*`` values of the run so far (:func:`~amp_plugin._metrics.amp_metrics`), as floats.
 
-        The skip rate is over every step of the run; ``grad_norm`` (``nan``: not known) is the
-        unscaled norm a clip returned. Reads the scale and the skip count from the device.
+        The skip rate is over every step of the run; ``grad_norm`` (``None``: not known) is the
+        unscaled norm a clip returned (NaN on a step with a NaN gradient, and logged so). Reads the
+        scale and the skip count from the device.
 
         Example:
             >>> AMPRun("16-mixed", "cpu").metrics(0.5)
@@ -446,7 +453,7 @@ class AMPRun:
         """
         guard, scaler = self.guard, self._scaler
         if guard is None:
-            return {} if math.isnan(grad_norm) else {"amp/grad_norm": grad_norm}
+            return {} if grad_norm is None else {"amp/grad_norm": grad_norm}
         skipped, total = guard.skipped_steps, guard.total_steps
         scale = math.nan if scaler is None else scaler.get_scale()
         return amp_metrics(scaler, scale, skipped, skipped / total if total else 0.0, grad_norm)
@@ -500,6 +507,13 @@ class AMPRun:
         for hooks in self._fp32_hooks.values():
             hooks.remove()
         self._fp32_hooks.clear()
+
+
+_CAST_BEFORE_REFUSAL = (
+    "The model's weights were already cast to {dtype}: a fit (or fabric.setup) casts the model before "
+    "its optimizers can be checked, and weights without an fp32 master keep only their {dtype} values. "
+    "Rebuild the model, or load its fp32 weights, before trying again."
+)
 
 
 def run_state(

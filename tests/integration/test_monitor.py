@@ -529,3 +529,17 @@ def test_bf16_skip_limits_apply_from_the_first_step(said: pytest.LogCaptureFixtu
         _fit(Probe(poison=(1, 2)), monitor, AMPPrecision("bf16-mixed"), steps=5)
     assert monitor.health == "pathological"
     assert "skip rate 50.0% over the last 4 steps; health: pathological" in said.text
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_nan_gradient_logs_a_nan_norm_not_the_last_finite_one(tmp_path: Path, clip: float | None) -> None:
+    module, logger = Probe(poison=(3,), value=math.nan), CSVLogger(tmp_path)
+    trainer = _fit(
+        module, LossScaleMonitor(), steps=4, logger=logger, log_every_n_steps=1, gradient_clip_val=clip
+    )
+    row = next(r for r in _rows(logger) if r.get("step") == 3 and "amp/skipped_steps" in r)
+    assert row["amp/skipped_steps"] == 1.0
+    assert math.isnan(row["amp/grad_norm"])  # an empty cell before: the key was left out
+    assert math.isnan(float(trainer.callback_metrics["amp/grad_norm"]))  # not step 2's finite norm
+    if clip is not None:
+        assert math.isnan(row["amp/grad_norm_clipped"])

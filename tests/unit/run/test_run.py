@@ -172,3 +172,22 @@ def test_a_state_of_the_wrong_shape_is_refused_with_a_hint(state: object, error:
     with pytest.raises(error, match=match):
         run.load_state_dict(state)  # type: ignore[arg-type]
     assert run.state_dict() == before
+
+
+def test_a_refusal_after_the_cast_says_the_model_is_half_now() -> None:
+    run = AMPRun("16-true", "cpu")
+    model = nn.Linear(2, 2)
+    run.convert(model, "cpu")  # what a fit does first, before configure_optimizers
+    with pytest.raises(ValueError, match="eps") as info:
+        run.attach(model, [torch.optim.AdamW(model.parameters(), eps=1e-8)])
+    assert "HINT" in str(info.value)
+    assert str(info.value).endswith("Rebuild the model, or load its fp32 weights, before trying again.")
+    assert "already cast to float16" in str(info.value)
+
+
+def test_a_refusal_before_any_cast_carries_no_note() -> None:
+    run = AMPRun("16-mixed", "cpu")
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="LBFGS") as info:
+        run.attach(model, [torch.optim.LBFGS(model.parameters())])
+    assert "already cast" not in str(info.value)
