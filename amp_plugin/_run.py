@@ -284,9 +284,11 @@ class AMPRun:
         note = precisions.cpu_emulation_note(dtype) if device_type == "cpu" else None
         if note is not None and self.requested == "auto":  # a warning where "auto" chose it
             fix = "HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU with AMX."
-            _say_once(self.say, f"{self.call}({name!r}): {note}.\n{fix}", True)  # two lines fit a terminal
+            # Two lines fit a terminal; said once per half type, whichever precision name asked for it.
+            _say_once(self.say, f"{self.call}({name!r}): {note}.\n{fix}", True, key=f"{dtype} warning")
         elif note is not None:  # information where it was asked for by name
-            _say_once(self.say, f"{self.call}({name!r}): {note};\nleave AMPPrecision out for fp32.", False)
+            message = f"{self.call}({name!r}): {note};\nleave AMPPrecision out for fp32."
+            _say_once(self.say, message, False, key=f"{dtype} info")
         return name
 
     def settings(self, fallback_device: object) -> tuple[str, torch.dtype]:
@@ -654,10 +656,11 @@ def _entered(*contexts: AbstractContextManager[Any] | None) -> Any:
 _SAID: set[str] = set()  # what _say_once said in this process, whichever adapter said it
 
 
-def _say_once(say: Say, message: str, warn: bool) -> None:
-    """Say ``message`` once per process."""
-    if message not in _SAID:
-        _SAID.add(message)
+def _say_once(say: Say, message: str, warn: bool, key: str | None = None) -> None:
+    """Say ``message`` once per process (once per ``key`` where given: one thing said in several words)."""
+    key = message if key is None else key
+    if key not in _SAID:
+        _SAID.add(key)
         say(message, warn)
 
 
@@ -795,6 +798,14 @@ def check_half_weights(
     if keep_fp32 is not None:
         keep = fp32_policy.check_module_classes(keep_fp32, call, "keep_fp32")
     true = precision.endswith("-true")
+    if master_weights and precision == "32-true":
+        fail(
+            call,
+            passed=f"precision={precision!r}, master_weights={master_weights!r}",
+            why="the weights are fp32 already: there is no half copy for fp32 masters to stand behind",
+            allowed="master weights with '16-mixed', 'bf16-mixed' or 'auto'",
+            hint="drop master_weights for fp32 training, or use precision='16-mixed' with master_weights.",
+        )
     if master_weights and true:
         fail(
             call,

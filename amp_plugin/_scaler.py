@@ -174,7 +174,8 @@ class LossScaler:
         growth_interval: clean steps in a row before the scale grows (>= 1).
         enabled: ``False`` makes every method a pass-through.
         hysteresis: overflowing steps in a row (without a clean step between) before the
-            scale backs off; each of them is skipped. A clean step refills the budget.
+            scale backs off: the h-th and every one after it back off; each of them is skipped.
+            A clean step refills the budget.
         min_scale: the scale never backs off below this.
         max_scale: the scale never grows above this.
         dynamic: ``False`` keeps the scale at ``init_scale`` (static loss scaling);
@@ -427,9 +428,13 @@ class LossScaler:
             value = _scaler_rules.check_manual_scale(
                 new_scale, scale.device, policy.min_scale, policy.max_scale
             )
+            # An iteration that checked gradients is counted (skipped or not); the scale is the one given.
+            found = self._iteration.flags(self._sync)
+            self._last_skipped = self._iteration.skipped_on_host() if found else None
+            if found:
+                policy.count_(_combined(found), self._last_skipped)
             policy.set_(value)
             self._guard_only = self._guard_only and float(value) == 1.0
-            self._last_skipped = None
             if self.spike_guard is not None:
                 self.spike_guard.discard()
             self._end_iteration()
@@ -444,11 +449,7 @@ class LossScaler:
         # Only a spike flag that a step() of this iteration applied is counted (made there, once).
         guard = self.spike_guard
         spike = guard.flag() if guard is not None and guard.flag_made else None
-        found_inf = found[0]  # read only below, and the iteration's flags are dropped with it
-        if len(found) > 1:
-            found_inf = found_inf.clone()
-            for other in found[1:]:
-                found_inf += other.to(found_inf.device)
+        found_inf = _combined(found)  # read only below, and the iteration's flags are dropped with it
         self._end_iteration()
         # A spike skips and is counted, but is no overflow: only found_inf moves the scale.
         skipped = None if spike is None else found_inf + spike.to(found_inf.device)
@@ -780,8 +781,13 @@ class LossScaler:
             self.spike_guard.check_state_dict(spike)
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._enabled:
-            self._require_between_iterations("pickling", "pickle (or deepcopy) the scaler after update().")
+        # As torch's: refused once an optimizer was unscaled or stepped (a scaled loss alone is fine).
+        if self._enabled and (self._iteration.states or self._iteration.retired):
+            raise RuntimeError(
+                "LossScaler pickling is refused in the middle of an iteration (unscale_ or step happened "
+                "since the last update()): its per-optimizer state would be lost. HINT: pickle (or "
+                "deepcopy) the scaler after update()."
+            )
         return {**self.__dict__, "_kernels": None, "_one": None}
 
     def step_skipped(self, optimizer: Any) -> bool | Tensor | None:
@@ -943,6 +949,16 @@ class _ScaledLoss(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         (loss,) = ctx.saved_tensors
         return torch.add(grad, loss, alpha=0)
+
+
+def _combined(flags: list[Tensor]) -> Tensor:
+    """One inf flag for the iteration (> 0: some optimizer's step was skipped); one tensor as it is."""
+    if len(flags) == 1:
+        return flags[0]
+    total = flags[0].clone()
+    for other in flags[1:]:
+        total += other.to(total.device)
+    return total
 
 
 def _fused(opt: Any) -> bool:

@@ -191,3 +191,26 @@ def test_a_refusal_before_any_cast_carries_no_note() -> None:
     with pytest.raises(ValueError, match="LBFGS") as info:
         run.attach(model, [torch.optim.LBFGS(model.parameters())])
     assert "already cast" not in str(info.value)
+
+
+def test_the_cpu_emulation_note_is_said_once_per_half_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    import amp_plugin.precision
+
+    monkeypatch.setattr(amp_plugin.precision, "native_on_cpu", lambda dtype: False)
+    said: list[str] = []
+
+    def say(message: str, warn: bool) -> None:
+        said.append(message)
+
+    for precision in ("16-mixed", "16-true", "16-mixed", "bf16-mixed", "bf16-true"):
+        AMPRun(precision, "cpu", say=say)
+    notes = [m for m in said if "CPU autocast emulates" in m]
+    assert len(notes) == 2, notes
+    assert "no fp16 instructions" in notes[0] and "no bf16 instructions" in notes[1]
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_master_weights_under_32_true_is_refused_with_a_fix_that_works(plugin: type) -> None:
+    with pytest.raises(ValueError, match=r"fp32 already.*HINT: drop master_weights") as info:
+        plugin("32-true", device="cpu", master_weights=True)
+    assert "32-mixed" not in str(info.value)  # no such precision

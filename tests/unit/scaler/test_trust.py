@@ -412,3 +412,18 @@ def test_a_state_saved_after_set_growth_interval_lowered_the_interval_loads(scal
     for target in (LossScaler("cpu"), LossScaler.from_grad_scaler(torch.amp.GradScaler("cpu"))):
         target.load_state_dict(state)
         assert target.state_dict()["_growth_tracker"] == state["_growth_tracker"]
+
+
+@pytest.mark.parametrize(("poison", "skipped"), [(None, 0), (math.inf, 1)])
+def test_an_iteration_closed_by_a_manual_scale_is_counted(poison: float | None, skipped: int) -> None:
+    scaler = LossScaler("cpu", init_scale=8.0)
+    model, opt = _model_and_opt()
+    _backward(scaler, model, poison)
+    scaler.step(opt)
+    scaler.update(new_scale=4.0)
+    assert (scaler.total_steps, scaler.skipped_steps) == (1, skipped)
+    assert scaler.last_step_skipped is bool(skipped)
+    assert scaler.get_scale() == 4.0
+    scaler.scale(torch.ones(()))  # no step in this iteration: nothing to count
+    scaler.update(new_scale=2.0)
+    assert (scaler.total_steps, scaler.skipped_steps) == (1, skipped)
