@@ -193,13 +193,21 @@ def _flag(norm: Tensor) -> Tensor:
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / (total_norm + 1e-6))``, as in ``torch.nn.utils.clip_grad_norm_``.
+    """``min(1, max_norm / (total_norm + 1e-6))``, as in ``torch.nn.utils.clip_grad_norm_``; 1 for inf/NaN.
+
+    The same bits as torch's for a finite norm. A non-finite one (its step is skipped) leaves the
+    gradients as they are, where torch's factor (0 or NaN) would turn every gradient into 0 or NaN
+    and hide which parameter held the inf/NaN from the forensics that look at them afterwards.
 
     Example:
         >>> clip_coefficient(torch.tensor(4.0), 1.0), clip_coefficient(torch.tensor(0.5), 1.0)
         (tensor(0.2500), tensor(1.))
+        >>> inf, nan = torch.tensor(float("inf")), torch.tensor(float("nan"))
+        >>> clip_coefficient(inf, 1.0), clip_coefficient(nan, 0.5)
+        (tensor(1.), tensor(1.))
     """
-    return torch.clamp(max_norm / (total_norm + _EPS), max=1.0)
+    stand_in = max_norm if max_norm > 0 else 1.0  # max_norm / stand_in == 1
+    return torch.clamp(max_norm / torch.nan_to_num(total_norm + _EPS, nan=stand_in, posinf=stand_in), max=1.0)
 
 
 def clip_grad_norm_(

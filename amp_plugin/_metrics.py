@@ -6,6 +6,8 @@ building them costs no host sync.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from amp_plugin import _clipping as clipping
@@ -45,5 +47,7 @@ def amp_metrics(
         if clip is not None and clip[0] == "norm":
             # The clip multiplies by min(1, clip_val / (norm + 1e-6)): its result's norm, with no pass.
             coef = clipping.clip_coefficient(torch.tensor(grad_norm), clip[1])
-            metrics["amp/grad_norm_clipped"] = grad_norm * float(coef)
+            # A non-finite norm's step is skipped: nothing was clipped, and there is no clipped norm.
+            clipped = grad_norm * float(coef) if math.isfinite(grad_norm) else math.nan
+            metrics["amp/grad_norm_clipped"] = clipped
     return metrics

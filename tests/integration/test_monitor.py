@@ -253,10 +253,16 @@ def test_raise_stops_training_with_history_and_forensics() -> None:
     assert monitor.health == "pathological"
 
 
-def test_first_skip_names_the_nan_parameter(said: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("value", "kind"), [(math.nan, "nan"), (math.inf, "inf")])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "norm-clip"])
+def test_first_skip_names_the_nan_parameter(
+    said: pytest.LogCaptureFixture, clip: float | None, value: float, kind: str
+) -> None:
+    # A norm clip of a step with an inf/NaN norm leaves the gradients as they are (torch's factor
+    # would make every gradient NaN, and the forensics would blame every parameter).
     monitor = LossScaleMonitor(warmup_steps=3)
-    _fit(Probe(poison=(12, 20), value=math.nan, param="net.0.bias"), monitor)
-    assert said.text.count("Non-finite gradients: net.0.bias (nan in 1 of 16 values, float32)") == 1
+    _fit(Probe(poison=(12, 20), value=value, param="net.0.bias"), monitor, gradient_clip_val=clip)
+    assert said.text.count(f"Non-finite gradients: net.0.bias ({kind} in 1 of 16 values, float32)") == 1
     assert "step 13 was skipped after warm-up" in said.text and monitor.health == "sporadic"
 
 
