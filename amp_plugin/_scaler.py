@@ -650,6 +650,7 @@ class LossScaler:
         """
         if not self._enabled:
             return
+        self._require_scale("recheck_")
         opt = unwrap_optimizer(optimizer)
         state = self._iteration.get(id(opt))
         if state is None or state.stage is Stage.READY:

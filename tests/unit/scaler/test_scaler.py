@@ -301,6 +301,8 @@ def test_misuse_errors_name_the_call_and_the_fix() -> None:
         scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match=r"update\(\) was called before scale"):
         scaler.update()
+    with pytest.raises(RuntimeError, match=r"recheck_\(\) was called before scale\(\). HINT"):
+        scaler.recheck_(opt)
     opt = _scaled_backward(scaler)
     with pytest.raises(RuntimeError, match=r"No inf checks were recorded prior to update\. .*HINT"):
         scaler.update()

@@ -427,3 +427,4 @@ def test_an_iteration_closed_by_a_manual_scale_is_counted(poison: float | None, 
     scaler.scale(torch.ones(()))  # no step in this iteration: nothing to count
     scaler.update(new_scale=2.0)
     assert (scaler.total_steps, scaler.skipped_steps) == (1, skipped)
+
