@@ -36,7 +36,12 @@ def _to_fp32(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to_fp32(v) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, _to_fp32(v)) for k, v in value.items())
+        # The mapping's own copy() keeps a defaultdict (and its factory) or an OrderedDict, and
+        # torch.compile traces it (copy.copy it does not).
+        copied = value.copy()
+        for k, v in value.items():
+            copied[k] = _to_fp32(v)
+        return copied
     return value
 
 
@@ -145,7 +150,8 @@ def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modu
 
     Inside such a module autocast is disabled for every device type and floating-point
     tensor inputs (in args and kwargs, nested in tuples, lists and dicts; fp64 excepted) are
-    cast to fp32. Outputs stay fp32; later autocast ops cast them as they need. Nested and
+    cast to fp32, in copies of the containers (a ``defaultdict`` or an ``OrderedDict`` stays one).
+    Outputs stay fp32; later autocast ops cast them as they need. Nested and
     threaded (DataParallel) calls are safe. Assumes the module's parameters are fp32. Where torch's
     default dtype is fp16 or bf16 (the forward pass of a "-true" precision), it is fp32 inside
     such a module, so the tensors the module makes are fp32 too (the default dtype is

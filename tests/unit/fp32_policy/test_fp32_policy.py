@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import operator
 import threading
@@ -60,6 +61,36 @@ def test_forced_module_casts_nested_args_and_kwargs() -> None:
     assert seen["table"] == {"a": torch.float32, "b": torch.float32}
     assert (seen["count"], seen["wide"]) == (torch.int64, torch.float64)  # ints and fp64 stay as they are
     assert seen["kinds"] == (list, dict)
+
+
+def test_forced_module_and_registered_function_keep_the_kind_of_a_mapping() -> None:
+    seen: list[Any] = []
+
+    class Takes(nn.Module):
+        def forward(self, table: Any) -> None:
+            seen.append((type(table), getattr(table, "default_factory", None), list(table)))
+            seen.append({k: v.dtype for k, v in table.items()})
+
+    class Spy(TorchFunctionMode):  # entered first, so it sees what Fp32Functions passes on
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return Takes()(args[0]) if func is F.relu else func(*args, **(kwargs or {}))
+
+    half = torch.ones(1, dtype=torch.float16)
+    tables: list[dict[str, Any]] = [
+        collections.defaultdict(list, b=half, a=half),
+        collections.OrderedDict(b=half, a=half),
+    ]
+    module = Takes()
+    force_fp32(module, (Takes,))
+    for table in tables:
+        module(table)
+    with Spy(), Fp32Functions(F.relu):
+        for table in tables:
+            F.relu(table)  # type: ignore[arg-type]
+    expected = [(collections.defaultdict, list, ["b", "a"]), (collections.OrderedDict, None, ["b", "a"])]
+    assert seen[0::2] == expected * 2
+    assert seen[1::2] == [{"b": torch.float32, "a": torch.float32}] * 4
+    assert tables[0]["b"].dtype == torch.float16  # the caller's mapping is not changed
 
 
 def test_exception_in_forced_forward_restores_autocast() -> None:
