@@ -32,6 +32,14 @@ class UpcastRMSNorm(HandRMSNorm):
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+class TalkingRMSNorm(HandRMSNorm):
+    """Mentions x.float() and torch.float32 only in words, so it still computes in fp16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x.float() would be safer
+        note = "autocast(...) or .double() would help"  # noqa: F841
+        return x / x.std(-1, keepdim=True)  # .to(torch.float32) first
+
+
 class BadModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -69,6 +77,25 @@ def test_audit_flags_each_hazard_of_a_bad_model() -> None:
     )
     norm = next(f for f in report.findings if f.code == "custom-norm")
     assert "eps=1e-08" in norm.message and "fp32_modules=(HandRMSNorm,)" in norm.message
+
+
+def test_a_norm_that_mentions_upcasting_only_in_comments_and_strings_is_flagged() -> None:
+    assert [f.code for f in audit_model(TalkingRMSNorm(8)).findings] == ["custom-norm"]
+    assert audit_model(UpcastRMSNorm(8)).findings == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp16_overflow_flags_exactly_the_values_fp16_rounds_to_inf(dtype: torch.dtype) -> None:
+    values = [65504.0, 65510.0, 65519.99, -65519.99, 65520.0, -65520.0, 70000.0, 1.0]
+    model = nn.Module()
+    model.register_buffer("big", torch.tensor(values, dtype=dtype))
+    becomes_inf = int(model.big.half().isinf().sum())
+    assert becomes_inf == 3
+    findings = audit_model(model).findings
+    assert [f.code for f in findings] == ["fp16-overflow"]
+    assert f"holds {becomes_inf} value(s) with |x| up to 7e+04 >= 65520" in findings[0].message
+    model.big = torch.tensor(values[:4], dtype=dtype)  # they round to 65504: finite in fp16
+    assert not model.big.half().isinf().any() and audit_model(model).findings == ()
 
 
 def test_audit_passes_a_clean_model() -> None:
