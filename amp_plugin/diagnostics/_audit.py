@@ -268,7 +268,7 @@ def _value_findings(kind: str, name: str, t: Tensor) -> Iterator[Finding]:
             a.isnan().sum(),
             a.isinf().sum(),
             ((a >= _FP16_ROUNDS_TO_INF) & finite).sum(),
-            ((a < FP16_MIN_SUBNORMAL) & (a > 0)).sum(),
+            ((a <= FP16_MIN_SUBNORMAL / 2) & (a > 0)).sum(),  # what fp16 rounds to 0 (2**-25 ties to 0)
             (a > 0).sum(),
         ]
     )
@@ -296,7 +296,7 @@ def _value_findings(kind: str, name: str, t: Tensor) -> Iterator[Finding]:
         yield Finding(
             "warning",
             "fp16-underflow",
-            f"{kind} `{name}`: {n_under} of its {n_nonzero} nonzero values have |x| < 6e-8 and become 0 in "
+            f"{kind} `{name}`: {n_under} of its {n_nonzero} nonzero values have |x| <= 3e-8 and become 0 in "
             "fp16. HINT: rescale the tensor (fold the factor into a later op) or use bf16.",
             (name,),
         )

@@ -138,3 +138,17 @@ def test_audit_report_format_rejects_a_bad_width(width: Any, error: type[Excepti
     with pytest.raises(error, match=rf"^AuditReport.format\(width={width!r}\) is not allowed here: "
         rf".*an int >= 20"):
         audit_model(nn.Linear(3, 8)).format(width)
+
+
+def test_fp16_underflow_counts_only_values_fp16_rounds_to_zero() -> None:
+    class Small(nn.Module):
+        def __init__(self, value: float) -> None:
+            super().__init__()
+            self.register_buffer("small", torch.full((8,), value))
+
+    for value in (2.0**-25, 1e-10):  # 2**-25 ties to 0
+        assert float(torch.tensor(value).half()) == 0.0
+        assert any(f.code == "fp16-underflow" for f in audit_model(Small(value)).findings)
+    value = 4e-8  # between 2**-25 and 2**-24: fp16 rounds it up to 2**-24
+    assert float(torch.tensor(value).half()) == 2.0**-24
+    assert not any(f.code == "fp16-underflow" for f in audit_model(Small(value)).findings)
