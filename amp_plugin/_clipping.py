@@ -74,7 +74,7 @@ def gradients(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
                 continue
             if grad.is_sparse:
                 raise TypeError(
-                    "amp_plugin does not unscale or clip sparse gradients (a parameter of shape "
+                    "amp_plugin does not clip sparse gradients or take their norm (a parameter of shape "
                     f"{tuple(param.shape)} has a sparse .grad). HINT: use a dense embedding "
                     "(sparse=False) or torch.amp.GradScaler for this model."
                 )

@@ -270,6 +270,17 @@ class LossScaler:
                 hint="pass the GradScaler itself.",
                 error=TypeError,
             )
+        taken = sorted(set(options) & {"device", "init_scale", "growth_factor", "backoff_factor",
+                                       "growth_interval", "enabled"})  # fmt: skip
+        if taken:
+            fail(
+                "LossScaler.from_grad_scaler",
+                passed=", ".join(f"{name}={options[name]!r}" for name in taken),
+                why="these settings come from the GradScaler",
+                allowed="this class's keyword-only extras (hysteresis, min_scale, max_scale, dynamic, ...)",
+                hint="set them on the GradScaler before converting it, or build LossScaler(...) directly.",
+                error=TypeError,
+            )
         device = getattr(grad_scaler, "_device", None)
         if not grad_scaler.is_enabled():
             warnings.warn(
@@ -403,11 +414,14 @@ class LossScaler:
             )
         if _fused(opt):
             return self._fused_step(opt, optimizer, state, *args, **kwargs)
+        # A spike guard's norm needs dense gradients: refused (TypeError) before anything is unscaled.
+        spike = self.spike_guard
+        grads = clipping.gradients(opt.param_groups) if spike is not None and spike.wants_grad_norm else None
         if state.stage is Stage.READY:
             self.unscale_(opt)
         found_inf = cast(Tensor, state.found_inf)
         self._sync(state)
-        skip = self._with_spike(opt, state, found_inf)
+        skip = self._with_spike(opt, state, found_inf, grads)
         state.skipped = bool(skip.item())  # the one host read of this step, kept for every reader
         result = None if state.skipped else optimizer.step(*args, **kwargs)
         state.stage = Stage.STEPPED
@@ -886,7 +900,9 @@ class LossScaler:
         skip = self._with_spike(opt, state, cast(Tensor, state.found_inf))
         return step_with_amp_attributes(opt, optimizer, grad_scale, skip, *args, **kwargs)
 
-    def _with_spike(self, opt: Any, state: OptimizerState, found_inf: Tensor) -> Tensor:
+    def _with_spike(
+        self, opt: Any, state: OptimizerState, found_inf: Tensor, grads: list[Tensor] | None = None
+    ) -> Tensor:
         """The step's skip flag: ``found_inf``, OR-ed with the iteration's spike flag (on the device).
 
         The spike guard's values are agreed across ranks (MAX) where ``found_inf`` is, once per
@@ -897,7 +913,7 @@ class LossScaler:
         if spike is None:
             return found_inf
         if spike.wants_grad_norm:
-            grads = clipping.gradients(opt.param_groups)
+            grads = clipping.gradients(opt.param_groups) if grads is None else grads
             norm = self._backend().norm(grads)
             spike.observe_grad_norm(norm if state.grad_scale is None else norm / state.grad_scale.to(norm))
         agree = None

@@ -428,3 +428,9 @@ def test_an_iteration_closed_by_a_manual_scale_is_counted(poison: float | None, 
     scaler.update(new_scale=2.0)
     assert (scaler.total_steps, scaler.skipped_steps) == (1, skipped)
 
+
+
+def test_from_grad_scaler_refuses_settings_the_grad_scaler_gives() -> None:
+    with pytest.raises(TypeError, match=r"from_grad_scaler\(init_scale=4.0\).*come from the GradScaler"):
+        LossScaler.from_grad_scaler(torch.amp.GradScaler("cpu"), init_scale=4.0)
+    assert LossScaler.from_grad_scaler(torch.amp.GradScaler("cpu"), hysteresis=2).hysteresis == 2
