@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import Kernels
-from amp_plugin.kernels._base import group_by_device_and_dtype, to_device, untracked
+from amp_plugin.kernels._base import group_by_device_and_dtype, per_tensor_norms, to_device, untracked
 
 __all__ = [
     "ClipResult",
@@ -127,7 +127,7 @@ def nonfinite_and_norm(
         norms = [
             norm if norm.device == one.device else to_device(norm, one.device)
             for group in group_by_device_and_dtype(grads).values()
-            for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)
+            for norm in per_tensor_norms(group, 2.0)
         ]
         if norms:
             torch._amp_foreach_non_finite_check_and_unscale_(norms, found_inf, one)
@@ -189,7 +189,8 @@ def rewrite_pays(grads: Sequence[Tensor], found_inf: Tensor) -> bool:
 def _flag(norm: Tensor) -> Tensor:
     """``1.0`` where a norm (>= 0, or inf/NaN) is inf/NaN, else ``0.0``: two launches (``0 * norm`` is
     NaN exactly for inf/NaN), where ``~isfinite`` takes five."""
-    return torch.mul(norm, 0.0).nan_to_num_(nan=1.0)
+    flag = torch.mul(norm, 0.0).nan_to_num_(nan=1.0)
+    return flag if flag.dtype == torch.float32 else flag.float()  # an fp64 gradient's norm is fp64
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
