@@ -440,4 +440,4 @@ def test_an_fp64_model_takes_every_scaler_path(path: str) -> None:
     scaler.step(opt)
     scaler.update()
     assert scaler.skipped_steps == 0
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
