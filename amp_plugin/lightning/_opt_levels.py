@@ -113,7 +113,9 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
             allowed=(
                 "master weights with a model cast to half (O2, or cast_model_type=torch.float16/bfloat16)"
             ),
-            hint="pass master_weights=False for a model that stays in fp32, or cast it to half.",
+            hint=(
+                "use level 'O2' (an fp16 model with fp32 masters), or master_weights=False for an fp32 model."
+            ),
         )
     if keep is not None and cast not in (None, torch.float32):
         args["keep_fp32"] = NORM_LAYERS if keep else ()
