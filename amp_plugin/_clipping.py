@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import Kernels
-from amp_plugin.kernels._base import group_by_device_and_dtype, to_device, untracked
+from amp_plugin.kernels._base import group_by_device_and_dtype, per_tensor_norms, to_device, untracked
 
 __all__ = [
     "ClipResult",
@@ -74,7 +74,7 @@ def gradients(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
                 continue
             if grad.is_sparse:
                 raise TypeError(
-                    "amp_plugin does not unscale or clip sparse gradients (a parameter of shape "
+                    "amp_plugin does not clip sparse gradients or take their norm (a parameter of shape "
                     f"{tuple(param.shape)} has a sparse .grad). HINT: use a dense embedding "
                     "(sparse=False) or torch.amp.GradScaler for this model."
                 )
@@ -127,7 +127,7 @@ def nonfinite_and_norm(
         norms = [
             norm if norm.device == one.device else to_device(norm, one.device)
             for group in group_by_device_and_dtype(grads).values()
-            for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)
+            for norm in per_tensor_norms(group, 2.0)
         ]
         if norms:
             torch._amp_foreach_non_finite_check_and_unscale_(norms, found_inf, one)
@@ -189,17 +189,26 @@ def rewrite_pays(grads: Sequence[Tensor], found_inf: Tensor) -> bool:
 def _flag(norm: Tensor) -> Tensor:
     """``1.0`` where a norm (>= 0, or inf/NaN) is inf/NaN, else ``0.0``: two launches (``0 * norm`` is
     NaN exactly for inf/NaN), where ``~isfinite`` takes five."""
-    return torch.mul(norm, 0.0).nan_to_num_(nan=1.0)
+    flag = torch.mul(norm, 0.0).nan_to_num_(nan=1.0)
+    return flag if flag.dtype == torch.float32 else flag.float()  # an fp64 gradient's norm is fp64
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
-    """``min(1, max_norm / (total_norm + 1e-6))``, as in ``torch.nn.utils.clip_grad_norm_``.
+    """``min(1, max_norm / (total_norm + 1e-6))``, as in ``torch.nn.utils.clip_grad_norm_``; 1 for inf/NaN.
+
+    The same bits as torch's for a finite norm. A non-finite one (its step is skipped) leaves the
+    gradients as they are, where torch's factor (0 or NaN) would turn every gradient into 0 or NaN
+    and hide which parameter held the inf/NaN from the forensics that look at them afterwards.
 
     Example:
         >>> clip_coefficient(torch.tensor(4.0), 1.0), clip_coefficient(torch.tensor(0.5), 1.0)
         (tensor(0.2500), tensor(1.))
+        >>> inf, nan = torch.tensor(float("inf")), torch.tensor(float("nan"))
+        >>> clip_coefficient(inf, 1.0), clip_coefficient(nan, 0.5)
+        (tensor(1.), tensor(1.))
     """
-    return torch.clamp(max_norm / (total_norm + _EPS), max=1.0)
+    stand_in = max_norm if max_norm > 0 else 1.0  # max_norm / stand_in == 1
+    return torch.clamp(max_norm / torch.nan_to_num(total_norm + _EPS, nan=stand_in, posinf=stand_in), max=1.0)
 
 
 def clip_grad_norm_(

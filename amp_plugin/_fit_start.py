@@ -167,13 +167,18 @@ def _check_fp16_eps(optimizers: Sequence[Optimizer]) -> None:
         for group in opt.param_groups:
             eps = group.get("eps")
             if isinstance(eps, (int, float)) and 0 <= eps < smallest_normal:
+                stored = float(torch.tensor(float(eps), dtype=torch.float16))
+                why = (
+                    "in fp16 optimizer state that eps rounds to 0, and a zero second moment then "
+                    "divides by zero and writes NaN into the weights"
+                    if stored == 0
+                    else f"in fp16 optimizer state that eps is subnormal (stored as {stored:.3g}), and where "
+                    "a gradient's square underflows to 0 the step m / eps is then far larger than lr"
+                )
                 fail(
                     "AMPPrecision('16-true')",
                     passed=f"{type(opt).__name__}(eps={eps!r})",
-                    why=(
-                        "in fp16 optimizer state that eps rounds to 0, and a zero second moment then "
-                        "divides by zero and writes NaN into the weights"
-                    ),
+                    why=why,
                     allowed=f"eps >= {smallest_normal:.3g} (fp16's smallest normal number)",
                     hint=(
                         f"build {type(opt).__name__}(..., eps=1e-4), or use precision='16-mixed' with "

@@ -90,6 +90,11 @@ class HalfWeights:
         )
         self._module = weakref.ref(module)
 
+    def converted(self, module: nn.Module) -> bool:
+        """Whether :meth:`convert` cast ``module`` (or the model it is part of)."""
+        model = None if self._module is None else self._module()
+        return model is not None and (model is module or any(m is module for m in model.modules()))
+
     def attach(self, optimizers: Sequence[Any]) -> None:
         """Hand each optimizer to the masters, or to the rounding hooks."""
         for optimizer in optimizers:

@@ -21,10 +21,12 @@ def amp_metrics(
     scale: float,
     skipped: int,
     skip_rate: float,
-    grad_norm: float,
+    grad_norm: float | None,
     clip: tuple[str, float] | None = None,
 ) -> dict[str, float]:
-    """The ``amp/*`` metrics of one step; ``nan`` means not known (that key is left out).
+    """The ``amp/*`` metrics of one step; a ``grad_norm`` of ``None`` is not known (its keys are left out).
+
+    A NaN norm (a step with a NaN gradient) is logged as NaN, as an inf one is logged as inf.
 
     ``amp/scale`` where a loss ``scaler`` runs, ``amp/skipped_steps``, ``amp/skip_rate``,
     ``amp/grad_norm`` (the unscaled norm before clipping) and, under a norm ``clip`` (``("norm",
@@ -40,10 +42,12 @@ def amp_metrics(
         metrics["amp/scale"] = scale
     metrics["amp/skipped_steps"] = float(skipped)
     metrics["amp/skip_rate"] = skip_rate
-    if not math.isnan(grad_norm):
+    if grad_norm is not None:
         metrics["amp/grad_norm"] = grad_norm
         if clip is not None and clip[0] == "norm":
             # The clip multiplies by min(1, clip_val / (norm + 1e-6)): its result's norm, with no pass.
             coef = clipping.clip_coefficient(torch.tensor(grad_norm), clip[1])
-            metrics["amp/grad_norm_clipped"] = grad_norm * float(coef)
+            # A non-finite norm's step is skipped: nothing was clipped, and there is no clipped norm.
+            clipped = grad_norm * float(coef) if math.isfinite(grad_norm) else math.nan
+            metrics["amp/grad_norm_clipped"] = clipped
     return metrics

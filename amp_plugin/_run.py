@@ -284,9 +284,11 @@ class AMPRun:
         note = precisions.cpu_emulation_note(dtype) if device_type == "cpu" else None
         if note is not None and self.requested == "auto":  # a warning where "auto" chose it
             fix = "HINT: train in fp32 on this CPU (leave AMPPrecision out), or use a GPU or a CPU with AMX."
-            _say_once(self.say, f"{self.call}({name!r}): {note}.\n{fix}", True)  # two lines fit a terminal
+            # Two lines fit a terminal; said once per half type, whichever precision name asked for it.
+            _say_once(self.say, f"{self.call}({name!r}): {note}.\n{fix}", True, key=f"{dtype} warning")
         elif note is not None:  # information where it was asked for by name
-            _say_once(self.say, f"{self.call}({name!r}): {note};\nleave AMPPrecision out for fp32.", False)
+            message = f"{self.call}({name!r}): {note};\nleave AMPPrecision out for fp32."
+            _say_once(self.say, message, False, key=f"{dtype} info")
         return name
 
     def settings(self, fallback_device: object) -> tuple[str, torch.dtype]:
@@ -384,7 +386,13 @@ class AMPRun:
         if module is not None:
             device, dtype = self.settings(module_device(module))
             scaling = self._scaler is not None
-            check_fit_start(module, optimizers, device, dtype, scaling, self.weights, self.say)
+            try:
+                check_fit_start(module, optimizers, device, dtype, scaling, self.weights, self.say)
+            except ValueError as refusal:
+                if self.half is None or not self.half.converted(module):
+                    raise
+                cast = _CAST_BEFORE_REFUSAL.format(dtype=str(dtype).removeprefix("torch."))
+                raise ValueError(f"{refusal} {cast}") from None
         if self.half is not None:
             self.half.attach(optimizers)
         elif self._scaler is None and self.guard_on and any(map(is_lbfgs, optimizers)):
@@ -432,11 +440,12 @@ class AMPRun:
             return autocast
         return _entered(autocast, default_dtype(half) if half is not None else None, functions)
 
-    def metrics(self, grad_norm: float = math.nan) -> dict[str, float]:
+    def metrics(self, grad_norm: float | None = None) -> dict[str, float]:
         """The ``amp/*`` values of the run so far (:func:`~amp_plugin._metrics.amp_metrics`), as floats.
 
-        The skip rate is over every step of the run; ``grad_norm`` (``nan``: not known) is the
-        unscaled norm a clip returned. Reads the scale and the skip count from the device.
+        The skip rate is over every step of the run; ``grad_norm`` (``None``: not known) is the
+        unscaled norm a clip returned (NaN on a step with a NaN gradient, and logged so). Reads the
+        scale and the skip count from the device.
 
         Example:
             >>> AMPRun("16-mixed", "cpu").metrics(0.5)
@@ -446,7 +455,7 @@ class AMPRun:
         """
         guard, scaler = self.guard, self._scaler
         if guard is None:
-            return {} if math.isnan(grad_norm) else {"amp/grad_norm": grad_norm}
+            return {} if grad_norm is None else {"amp/grad_norm": grad_norm}
         skipped, total = guard.skipped_steps, guard.total_steps
         scale = math.nan if scaler is None else scaler.get_scale()
         return amp_metrics(scaler, scale, skipped, skipped / total if total else 0.0, grad_norm)
@@ -500,6 +509,13 @@ class AMPRun:
         for hooks in self._fp32_hooks.values():
             hooks.remove()
         self._fp32_hooks.clear()
+
+
+_CAST_BEFORE_REFUSAL = (
+    "The model's weights were already cast to {dtype}: a fit (or fabric.setup) casts the model before "
+    "its optimizers can be checked, and weights without an fp32 master keep only their {dtype} values. "
+    "Rebuild the model, or load its fp32 weights, before trying again."
+)
 
 
 def run_state(
@@ -640,10 +656,11 @@ def _entered(*contexts: AbstractContextManager[Any] | None) -> Any:
 _SAID: set[str] = set()  # what _say_once said in this process, whichever adapter said it
 
 
-def _say_once(say: Say, message: str, warn: bool) -> None:
-    """Say ``message`` once per process."""
-    if message not in _SAID:
-        _SAID.add(message)
+def _say_once(say: Say, message: str, warn: bool, key: str | None = None) -> None:
+    """Say ``message`` once per process (once per ``key`` where given: one thing said in several words)."""
+    key = message if key is None else key
+    if key not in _SAID:
+        _SAID.add(key)
         say(message, warn)
 
 
@@ -781,6 +798,14 @@ def check_half_weights(
     if keep_fp32 is not None:
         keep = fp32_policy.check_module_classes(keep_fp32, call, "keep_fp32")
     true = precision.endswith("-true")
+    if master_weights and precision == "32-true":
+        fail(
+            call,
+            passed=f"precision={precision!r}, master_weights={master_weights!r}",
+            why="the weights are fp32 already: there is no half copy for fp32 masters to stand behind",
+            allowed="master weights with '16-mixed', 'bf16-mixed' or 'auto'",
+            hint="drop master_weights for fp32 training, or use precision='16-mixed' with master_weights.",
+        )
     if master_weights and true:
         fail(
             call,

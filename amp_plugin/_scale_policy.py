@@ -2,7 +2,7 @@
 
 :class:`DynamicScale` owns the scale tensor and its trackers and applies, once per
 iteration, torch's growth/backoff rule (``torch._amp_update_scale_``, bit for bit), Apex's
-hysteresis (back off only at the h-th overflowing step in a row), the ``min_scale`` /
+hysteresis (back off from the h-th overflowing step in a row on), the ``min_scale`` /
 ``max_scale`` bounds, and a floor at the smallest normal fp32. It also counts the skipped
 iterations: on the host where the caller read the skip flag already, else by keeping the
 flag and reading all kept flags at once later. Nothing here reads a value back to the host,
@@ -159,15 +159,22 @@ class DynamicScale:
                 hold = (skip_flag > 0) & (found_inf <= 0)
                 for tensor, before in zip(self._trackers_now(scale), kept, strict=True):
                     tensor.copy_(torch.where(hold, before, tensor))
-        self.total_steps += 1
-        if skipped is None or self._pending:  # behind an unread flag, a known one waits its turn
-            flag = found_inf if skip_flag is None else skip_flag
-            self._pending.append(flag if skipped is None else skipped)
-        else:
-            self._count(skipped)
+        self.count_(found_inf if skip_flag is None else skip_flag, skipped)
         if self.total_steps % _FLOOR_CHECK_EVERY == 0:
             self.report_floor()
             self._report_streak()  # one read of the waiting flags, every 100 updates
+
+    def count_(self, flag: Tensor, skipped: bool | None = None) -> None:
+        """Count one closed iteration whose skip flag is ``flag`` (> 0: skipped), the scale left alone.
+
+        ``skipped``: the flag as the caller already read it (no read here); else the flag waits,
+        unread, until the counts are next read.
+        """
+        self.total_steps += 1
+        if skipped is None or self._pending:  # behind an unread flag, a known one waits its turn
+            self._pending.append(flag if skipped is None else skipped)
+        else:
+            self._count(skipped)
 
     def _trackers_now(self, scale: Tensor) -> tuple[Tensor, ...]:
         return (scale, self.growth_tracker, self.hysteresis_tracker)

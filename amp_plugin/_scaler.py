@@ -174,7 +174,8 @@ class LossScaler:
         growth_interval: clean steps in a row before the scale grows (>= 1).
         enabled: ``False`` makes every method a pass-through.
         hysteresis: overflowing steps in a row (without a clean step between) before the
-            scale backs off; each of them is skipped. A clean step refills the budget.
+            scale backs off: the h-th and every one after it back off; each of them is skipped.
+            A clean step refills the budget.
         min_scale: the scale never backs off below this.
         max_scale: the scale never grows above this.
         dynamic: ``False`` keeps the scale at ``init_scale`` (static loss scaling);
@@ -267,6 +268,17 @@ class LossScaler:
                 passed=f"{type(grad_scaler).__qualname__}",
                 allowed="a torch.amp.GradScaler",
                 hint="pass the GradScaler itself.",
+                error=TypeError,
+            )
+        taken = sorted(set(options) & {"device", "init_scale", "growth_factor", "backoff_factor",
+                                       "growth_interval", "enabled"})  # fmt: skip
+        if taken:
+            fail(
+                "LossScaler.from_grad_scaler",
+                passed=", ".join(f"{name}={options[name]!r}" for name in taken),
+                why="these settings come from the GradScaler",
+                allowed="this class's keyword-only extras (hysteresis, min_scale, max_scale, dynamic, ...)",
+                hint="set them on the GradScaler before converting it, or build LossScaler(...) directly.",
                 error=TypeError,
             )
         device = getattr(grad_scaler, "_device", None)
@@ -402,11 +414,14 @@ class LossScaler:
             )
         if _fused(opt):
             return self._fused_step(opt, optimizer, state, *args, **kwargs)
+        # A spike guard's norm needs dense gradients: refused (TypeError) before anything is unscaled.
+        spike = self.spike_guard
+        grads = clipping.gradients(opt.param_groups) if spike is not None and spike.wants_grad_norm else None
         if state.stage is Stage.READY:
             self.unscale_(opt)
         found_inf = cast(Tensor, state.found_inf)
         self._sync(state)
-        skip = self._with_spike(opt, state, found_inf)
+        skip = self._with_spike(opt, state, found_inf, grads)
         state.skipped = bool(skip.item())  # the one host read of this step, kept for every reader
         result = None if state.skipped else optimizer.step(*args, **kwargs)
         state.stage = Stage.STEPPED
@@ -427,9 +442,13 @@ class LossScaler:
             value = _scaler_rules.check_manual_scale(
                 new_scale, scale.device, policy.min_scale, policy.max_scale
             )
+            # An iteration that checked gradients is counted (skipped or not); the scale is the one given.
+            found = self._iteration.flags(self._sync)
+            self._last_skipped = self._iteration.skipped_on_host() if found else None
+            if found:
+                policy.count_(_combined(found), self._last_skipped)
             policy.set_(value)
             self._guard_only = self._guard_only and float(value) == 1.0
-            self._last_skipped = None
             if self.spike_guard is not None:
                 self.spike_guard.discard()
             self._end_iteration()
@@ -444,11 +463,7 @@ class LossScaler:
         # Only a spike flag that a step() of this iteration applied is counted (made there, once).
         guard = self.spike_guard
         spike = guard.flag() if guard is not None and guard.flag_made else None
-        found_inf = found[0]  # read only below, and the iteration's flags are dropped with it
-        if len(found) > 1:
-            found_inf = found_inf.clone()
-            for other in found[1:]:
-                found_inf += other.to(found_inf.device)
+        found_inf = _combined(found)  # read only below, and the iteration's flags are dropped with it
         self._end_iteration()
         # A spike skips and is counted, but is no overflow: only found_inf moves the scale.
         skipped = None if spike is None else found_inf + spike.to(found_inf.device)
@@ -649,6 +664,7 @@ class LossScaler:
         """
         if not self._enabled:
             return
+        self._require_scale("recheck_")
         opt = unwrap_optimizer(optimizer)
         state = self._iteration.get(id(opt))
         if state is None or state.stage is Stage.READY:
@@ -780,8 +796,13 @@ class LossScaler:
             self.spike_guard.check_state_dict(spike)
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._enabled:
-            self._require_between_iterations("pickling", "pickle (or deepcopy) the scaler after update().")
+        # As torch's: refused once an optimizer was unscaled or stepped (a scaled loss alone is fine).
+        if self._enabled and (self._iteration.states or self._iteration.retired):
+            raise RuntimeError(
+                "LossScaler pickling is refused in the middle of an iteration (unscale_ or step happened "
+                "since the last update()): its per-optimizer state would be lost. HINT: pickle (or "
+                "deepcopy) the scaler after update()."
+            )
         return {**self.__dict__, "_kernels": None, "_one": None}
 
     def step_skipped(self, optimizer: Any) -> bool | Tensor | None:
@@ -879,7 +900,9 @@ class LossScaler:
         skip = self._with_spike(opt, state, cast(Tensor, state.found_inf))
         return step_with_amp_attributes(opt, optimizer, grad_scale, skip, *args, **kwargs)
 
-    def _with_spike(self, opt: Any, state: OptimizerState, found_inf: Tensor) -> Tensor:
+    def _with_spike(
+        self, opt: Any, state: OptimizerState, found_inf: Tensor, grads: list[Tensor] | None = None
+    ) -> Tensor:
         """The step's skip flag: ``found_inf``, OR-ed with the iteration's spike flag (on the device).
 
         The spike guard's values are agreed across ranks (MAX) where ``found_inf`` is, once per
@@ -890,7 +913,7 @@ class LossScaler:
         if spike is None:
             return found_inf
         if spike.wants_grad_norm:
-            grads = clipping.gradients(opt.param_groups)
+            grads = clipping.gradients(opt.param_groups) if grads is None else grads
             norm = self._backend().norm(grads)
             spike.observe_grad_norm(norm if state.grad_scale is None else norm / state.grad_scale.to(norm))
         agree = None
@@ -943,6 +966,16 @@ class _ScaledLoss(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         (loss,) = ctx.saved_tensors
         return torch.add(grad, loss, alpha=0)
+
+
+def _combined(flags: list[Tensor]) -> Tensor:
+    """One inf flag for the iteration (> 0: some optimizer's step was skipped); one tensor as it is."""
+    if len(flags) == 1:
+        return flags[0]
+    total = flags[0].clone()
+    for other in flags[1:]:
+        total += other.to(total.device)
+    return total
 
 
 def _fused(opt: Any) -> bool:

@@ -30,6 +30,8 @@ __all__ = [
 # scale can shrink past it into subnormals and then to exactly 0, where 0 * (1 / 0) = NaN
 # gradients pass the inf check (it looks at the scaled values) and reach the weights.
 SCALE_FLOOR = torch.finfo(torch.float32).tiny
+# The scale is an fp32 tensor: a Python float above fp32's largest finite value would become inf.
+SCALE_CEILING = torch.finfo(torch.float32).max
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 OWN_KEYS = (
@@ -53,20 +55,33 @@ def check_config(
     min_scale: Any,
     max_scale: Any,
     call: str = _CALL,
+    scale_name: str = "init_scale",
 ) -> None:
-    """Check the scaler's numeric settings together (the bounds and the start scale interact)."""
+    """Check the scaler's numeric settings together (the bounds and the start scale interact).
+
+    ``scale_name`` is what the start scale is called where it came from (a state dict's key).
+    """
 
     def count(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
     low = min_scale if is_number(min_scale) else SCALE_FLOOR
-    high = max_scale if is_number(max_scale) else math.inf
+    high = max_scale if is_number(max_scale) else SCALE_CEILING
+    fp32 = f"[{SCALE_FLOOR:g}, {SCALE_CEILING:g}] (fp32's normal range: the scale is an fp32 tensor)"
+    if not (isinstance(init_scale, (int, float)) and not isinstance(init_scale, bool)):
+        fail(
+            call,
+            passed=f"{scale_name}={init_scale!r:.80}",
+            allowed="a number (an int or a float)",
+            hint="2.0**16 is usual for fp16.",
+            error=TypeError,
+        )
     rules = [
         (
-            is_number(init_scale) and init_scale >= SCALE_FLOOR,
-            f"init_scale={init_scale!r}",
-            "a scale below the smallest normal fp32 (or not finite) cannot scale anything",
-            f"a finite number >= {SCALE_FLOOR:g} (the smallest normal fp32)",
+            is_number(init_scale) and SCALE_FLOOR <= init_scale <= SCALE_CEILING,
+            f"{scale_name}={init_scale!r}",
+            "a scale outside fp32's normal range (or not finite) cannot scale anything",
+            f"a finite number in {fp32}",
             "2.0**16 is usual for fp16.",
         ),
         (
@@ -98,17 +113,17 @@ def check_config(
             "1 backs off on every overflow (torch's behaviour); 2 tolerates one overflow in a row.",
         ),
         (
-            min_scale is None or (is_number(min_scale) and min_scale >= SCALE_FLOOR),
+            min_scale is None or (is_number(min_scale) and SCALE_FLOOR <= min_scale <= SCALE_CEILING),
             f"min_scale={min_scale!r}",
-            "a floor below the smallest normal fp32 (or not finite) cannot hold the scale",
-            f"None or a finite number >= {SCALE_FLOOR:g}",
+            "a floor outside fp32's normal range (or not finite) cannot hold the scale",
+            f"None or a finite number in {fp32}",
             "e.g. min_scale=1.0 keeps the scale off 0.",
         ),
         (
-            max_scale is None or (is_number(max_scale) and max_scale > 0),
+            max_scale is None or (is_number(max_scale) and 0 < max_scale <= SCALE_CEILING),
             f"max_scale={max_scale!r}",
-            "a ceiling must be a positive, finite scale",
-            "None or a finite number > 0",
+            "a ceiling must be a positive scale that fp32 holds",
+            f"None or a finite number in (0, {SCALE_CEILING:g}]",
             "e.g. max_scale=2.0**24.",
         ),
         (
@@ -120,7 +135,7 @@ def check_config(
         ),
         (
             not is_number(init_scale) or low <= init_scale <= high,
-            f"init_scale={init_scale!r}",
+            f"{scale_name}={init_scale!r}",
             "the first scale must lie within min_scale and max_scale",
             f"a scale within [{low:g}, {high:g}]",
             "pick init_scale between min_scale and max_scale.",
@@ -167,7 +182,7 @@ def check_manual_scale(
     else:
         value = check_number(call, "new_scale", new_scale, low=0.0, low_open=True, hint=hint)
     low = SCALE_FLOOR if min_scale is None else min_scale
-    high = math.inf if max_scale is None else max_scale
+    high = SCALE_CEILING if max_scale is None else max_scale
     if not (math.isfinite(value) and low <= value <= high):
         fail(
             call,
@@ -216,6 +231,7 @@ def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: A
         sd["min_scale"],
         sd["max_scale"],
         call=what,
+        scale_name="state_dict['scale']",
     )
     counts = {key: sd.get(key, 0) for key in ("_growth_tracker", "skipped_steps", "total_steps")}
     counts["_hysteresis_tracker"] = sd.get("_hysteresis_tracker", sd["hysteresis"])
@@ -225,7 +241,9 @@ def checked_state(state_dict: Any, hysteresis: int, min_scale: Any, max_scale: A
     limits = {
         "total_steps": (0, 2**62),
         "skipped_steps": (0, counts["total_steps"] if "total_steps" in sd else 2**62),
-        "_growth_tracker": (0, sd["growth_interval"] - 1),  # it resets to 0 when it reaches the interval
+        # It resets to 0 when it reaches the interval; set_growth_interval() may move the interval
+        # below it, and then it counts on (as torch's does) until an overflow resets it.
+        "_growth_tracker": (0, 2**31 - 1),
         "_hysteresis_tracker": (-(2**31), sd["hysteresis"]),  # counts down from hysteresis on overflow
     }
     for key, (low, high) in limits.items():

@@ -241,11 +241,16 @@ def load_model(spec: str) -> nn.Module:
     with _cwd_importable():
         try:
             factory: Any = importlib.import_module(module_name)
-        except Exception as err:  # a broken module raises anything at import, not only ImportError
+        # A broken module raises anything at import, not only ImportError; a script calls sys.exit.
+        except (Exception, SystemExit) as err:
+            hint = (
+                'put its script part under `if __name__ == "__main__":`'
+                if isinstance(err, SystemExit)
+                else "run from the directory that holds the package, or install it"
+            )
             raise ImportError(
                 f"--model {spec!r}: importing {module_name!r} failed ({type(err).__name__}: {err}); "
-                "expected an importable module. HINT: run from the directory that holds the package, "
-                "or install it."
+                f"expected an importable module. HINT: {hint}."
             ) from err
     for part in attr.split("."):
         if not hasattr(factory, part):
@@ -265,7 +270,7 @@ def _call_factory(spec: str, attr: str, factory: Any) -> nn.Module:
         )
     try:
         model = factory()
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # argparse in a factory exits; KeyboardInterrupt still stops
         raise RuntimeError(
             f"--model {spec!r}: calling {attr}() raised {type(err).__name__}: {err}. HINT: the factory is "
             "called with no arguments; wrap the model's constructor in a function that fills them in."

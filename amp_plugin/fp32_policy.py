@@ -36,7 +36,12 @@ def _to_fp32(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to_fp32(v) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, _to_fp32(v)) for k, v in value.items())
+        # The mapping's own copy() keeps a defaultdict (and its factory) or an OrderedDict, and
+        # torch.compile traces it (copy.copy it does not).
+        copied = value.copy()
+        for k, v in value.items():
+            copied[k] = _to_fp32(v)
+        return copied
     return value
 
 
@@ -145,7 +150,8 @@ def force_fp32(model: nn.Module, classes: Sequence[type[nn.Module]]) -> Fp32Modu
 
     Inside such a module autocast is disabled for every device type and floating-point
     tensor inputs (in args and kwargs, nested in tuples, lists and dicts; fp64 excepted) are
-    cast to fp32. Outputs stay fp32; later autocast ops cast them as they need. Nested and
+    cast to fp32, in copies of the containers (a ``defaultdict`` or an ``OrderedDict`` stays one).
+    Outputs stay fp32; later autocast ops cast them as they need. Nested and
     threaded (DataParallel) calls are safe. Assumes the module's parameters are fp32. Where torch's
     default dtype is fp16 or bf16 (the forward pass of a "-true" precision), it is fp32 inside
     such a module, so the tensors the module makes are fp32 too (the default dtype is
@@ -185,8 +191,8 @@ def check_functions(
 
     Raises:
         TypeError: a name instead of the function, a class, something not callable, an in-place
-            function (``torch.Tensor.sigmoid_``), or a callable torch never dispatches (your own
-            function); the hint names the first such item.
+            function (``torch.Tensor.sigmoid_``, ``torch.Tensor.__iadd__``, ``torch.Tensor.__setitem__``),
+            or a callable torch never dispatches (your own function); the hint names the first such item.
 
     Example:
         >>> check_functions([torch.sigmoid, torch.Tensor.softmax, torch.sigmoid])
@@ -215,12 +221,6 @@ def check_functions(
     return tuple(dict.fromkeys(functions))
 
 
-_IN_PLACE_DUNDERS = {
-    f"__i{op}__": f"__{op}__"
-    for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
-}
-
-
 def _function_hint(item: object) -> str:
     if isinstance(item, str):
         return f"{item!r} is a name; pass the function itself, e.g. torch.{item.rpartition('.')[2]}."
@@ -232,11 +232,21 @@ def _function_hint(item: object) -> str:
     if not callable(item):
         return f"{item!r:.60} is not callable; pass functions such as torch.sigmoid."
     name = getattr(item, "__name__", "")
-    in_place = name[:-1] if name.endswith("_") and not name.endswith("__") else _IN_PLACE_DUNDERS.get(name)
-    if in_place:
+    if name == "__setitem__":
+        return (
+            "__setitem__ (x[i] = v) writes into the tensor, so it would write into an fp32 copy of a half "
+            "tensor; leave it out, and register the function that computes v instead."
+        )
+    if name.endswith("_") and not name.endswith("__"):
+        out_of_place = name[:-1]
+    elif name.startswith("__i") and name.endswith("__") and hasattr(torch.Tensor, f"__{name[3:]}"):
+        out_of_place = f"__{name[3:]}"  # x <<= y is __ilshift__, x << y __lshift__
+    else:
+        out_of_place = ""
+    if out_of_place:
         return (
             f"{name} works in place: it would change an fp32 copy of a half tensor, not the tensor. "
-            f"Register the out-of-place function (e.g. {in_place})."
+            f"Register the out-of-place function (e.g. {out_of_place})."
         )
     if item not in _dispatched():
         return (
@@ -258,7 +268,8 @@ class Fp32Functions(CarriedFunctionMode):
     Floating-point tensor inputs of lower precision (in args and kwargs, nested in tuples,
     lists and dicts; fp64 and an ``out=`` tensor excepted) are cast to fp32, so results are
     fp32 (except into a half ``out=``); gradients flow back in the inputs' dtypes. Every other
-    call passes through unchanged. A function counts only as
+    call passes through unchanged, and so does a call with ``inplace=True`` (``F.relu(x, inplace=True)``,
+    what ``nn.ReLU(inplace=True)`` makes), which must write into ``x`` itself. A function counts only as
     the object registered: ``torch.sigmoid`` does not cover ``x.sigmoid()`` (``torch.Tensor.sigmoid``).
     Re-entrant and nestable; :func:`~amp_plugin.autocast.propagate_autocast` and
     :class:`~amp_plugin.autocast.AutocastDataParallel` carry it into their threads.
@@ -283,7 +294,8 @@ class Fp32Functions(CarriedFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        if func not in self._registered:
+        if func not in self._registered or (kwargs and kwargs.get("inplace")):
+            # F.relu(x, inplace=True) writes into x: on an fp32 copy the write would be lost.
             return func(*args, **(kwargs or {}))
         # Flags flipped by hand, not through AutocastState.apply: this runs per call, and a registered
         # call costs ~6 us instead of ~70 (benchmarks/fp32_functions.py). torch pops this mode while

@@ -1,6 +1,8 @@
 """The guides' code runs: every ```python block in README.md and docs/*.md is executed.
 
 A block written as a ``>>>`` session runs as a doctest, so its shown output is checked too.
+A ``$ python -m amp_plugin ...`` transcript (a usage error, the same on every machine) is
+checked against what the command prints.
 A block that cannot run here (it needs a GPU, several processes, a user's own model or
 data) is preceded by ``<!-- no-run: why -->``; the reason is required. Blocks of one page
 run in order in one namespace, so a page can build on the objects its earlier blocks made (a
@@ -150,6 +152,27 @@ def test_every_block_imports_the_names_it_uses() -> None:
     library = _library_names()
     problems = [problem for page in PAGES for problem in _block_problems(page, library)]
     assert not problems, "\n".join(problems)
+
+
+# A transcript: a ``` block whose first line is a `$ python -m amp_plugin ...` command.
+_TRANSCRIPT = re.compile(r"```\n\$ python -m amp_plugin (?P<args>[^\n]*)\n(?P<shown>.*?)```", re.S)
+
+
+def test_transcripts_show_what_the_command_prints(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transcript that does not depend on the machine (a usage error) shows the command's real output."""
+    from amp_plugin.cli import main
+
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps its usage line to the terminal's width
+    checked = 0
+    for page in PAGES:
+        for match in _TRANSCRIPT.finditer(page.read_text()):
+            assert main(match["args"].split()) == 2, f"{page.name}: `{match['args']}` is no usage error"
+            captured = capsys.readouterr()
+            assert captured.out + captured.err == match["shown"], f"{page.name}: `{match['args']}` prints"
+            checked += 1
+    assert checked, "no transcript found: the pattern above no longer matches the guides"
 
 
 def _run_doctest(code: str, namespace: dict[str, object], where: str) -> None:

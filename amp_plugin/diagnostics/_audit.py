@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import inspect
+import io
 import re
 import textwrap
+import tokenize
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,6 +32,10 @@ _NATIVE_NORMS: tuple[type[nn.Module], ...] = (
 )
 # A forward that upcasts by itself does its statistics in fp32 whatever autocast does.
 _UPCASTS = re.compile(r"\.float\(\)|float32|torch\.float\b|\.double\(\)|autocast\(")
+# Tokens that hold words, not code: comments, strings, and the text parts of f-strings (Python 3.12+).
+_WORDS = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+# Half of fp16's spacing (32) above its max: from here on a cast to fp16 rounds to inf, below to 65504.
+_FP16_ROUNDS_TO_INF = FP16_MAX + 16
 
 
 @dataclass(frozen=True)
@@ -190,12 +196,20 @@ def _norm(name: str, module: nn.Module) -> Iterator[Finding]:
     if "Norm" not in type(module).__name__ or type(module).__module__.startswith("torch."):
         return
     try:
-        upcasts = bool(_UPCASTS.search(inspect.getsource(type(module).forward)))
-    except (OSError, TypeError):  # no source (built in C, or defined in a REPL): assume the worst
+        upcasts = bool(_UPCASTS.search(_code_of(type(module).forward)))
+    # No source (built in C, defined in a REPL) or none that tokenizes: assume the worst.
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):
         upcasts = False
     if upcasts:
         return
     yield Finding("warning", "custom-norm", _custom_norm_message(name, module, eps), (name,))
+
+
+def _code_of(function: Any) -> str:
+    """The source of ``function`` with its comments and strings (docstrings too) blanked out."""
+    source = textwrap.dedent(inspect.getsource(function))
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return tokenize.untokenize(t._replace(string="") if t.type in _WORDS else t for t in tokens)
 
 
 def _custom_norm_message(name: str, module: nn.Module, eps: float | None) -> str:
@@ -253,8 +267,8 @@ def _value_findings(kind: str, name: str, t: Tensor) -> Iterator[Finding]:
         [
             a.isnan().sum(),
             a.isinf().sum(),
-            ((a > FP16_MAX) & finite).sum(),
-            ((a < FP16_MIN_SUBNORMAL) & (a > 0)).sum(),
+            ((a >= _FP16_ROUNDS_TO_INF) & finite).sum(),
+            ((a <= FP16_MIN_SUBNORMAL / 2) & (a > 0)).sum(),  # what fp16 rounds to 0 (2**-25 ties to 0)
             (a > 0).sum(),
         ]
     )
@@ -272,17 +286,17 @@ def _value_findings(kind: str, name: str, t: Tensor) -> Iterator[Finding]:
         yield Finding(
             "warning",
             "fp16-overflow",
-            f"{kind} `{name}` holds {n_over} value(s) with |x| up to {largest:.3g} > 65504 (fp16 max): they "
-            "become inf when cast to fp16 (by autocast for a matmul, or by .half()). HINT: use bf16, keep "
-            "the tensor out of fp16 ops, or for a mask use amp_plugin.numerics.limits(torch.float16)"
-            ".safe_mask_value (-16376), which stays finite when masks are added together.",
+            f"{kind} `{name}` holds {n_over} value(s) with |x| up to {largest:.3g} >= 65520: they become "
+            "inf when cast to fp16 (by autocast for a matmul, or by .half()), whose largest value is 65504. "
+            "HINT: use bf16, keep the tensor out of fp16 ops, or for a mask use amp_plugin.numerics.limits("
+            "torch.float16).safe_mask_value (-16376), which stays finite when masks are added together.",
             (name,),
         )
     if n_under and n_under > 0.01 * n_nonzero:
         yield Finding(
             "warning",
             "fp16-underflow",
-            f"{kind} `{name}`: {n_under} of its {n_nonzero} nonzero values have |x| < 6e-8 and become 0 in "
+            f"{kind} `{name}`: {n_under} of its {n_nonzero} nonzero values have |x| <= 3e-8 and become 0 in "
             "fp16. HINT: rescale the tensor (fold the factor into a later op) or use bf16.",
             (name,),
         )

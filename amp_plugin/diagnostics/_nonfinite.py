@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from amp_plugin._sharding import local_shards, shard_groups
 from amp_plugin._validation import check_int, fail
+from amp_plugin.kernels._base import per_tensor_norms
 
 __all__ = ["NonFiniteGradient", "dtype_name", "nonfinite_gradients", "nonfinite_kind"]
 
@@ -114,7 +115,7 @@ def _nonfinite_counts(grads: list[Tensor]) -> dict[int, tuple[int, int]]:
         local = local_shards([grads[i] for i in indices])
         # The 1-norm is one fused pass that propagates inf and NaN. A huge finite gradient can overflow
         # it too (and so can the sum over shards), so every suspect is confirmed by an exact count.
-        norms = _summed(torch.stack(torch._foreach_norm(local, 1, dtype=torch.float32)), groups)
+        norms = _summed(torch.stack(per_tensor_norms(local, 1)), groups)
         suspects = [j for j, bad in enumerate((~torch.isfinite(norms)).tolist()) if bad]
         if not suspects:
             continue

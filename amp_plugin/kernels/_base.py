@@ -21,12 +21,13 @@ way this contract says, ``tests/unit/kernels/_reference.py``):
 
 ``norm(tensors, norm_type, exact=False)``
     The total ``norm_type``-norm of all tensors together, accumulated and returned in
-    fp32 (an fp16 gradient norm above 65504 is finite here), as a 0-dim tensor on the
-    device of the first tensor (CPU when the list is empty, where it is 0). Any inf or
-    NaN input makes the result non-finite, so a norm doubles as an inf check. With
-    ``exact=True`` the result is bit-identical to the total norm that
-    ``torch.nn.utils.clip_grad_norm_`` computes (the torch backend's recipe);
-    otherwise a backend may use any faster fp32 reduction.
+    fp32 (an fp16 gradient norm above 65504 is finite here; fp64 where a tensor is fp64), as
+    a 0-dim tensor on the device of the first tensor (CPU when the list is empty, where it is
+    0). Any inf or NaN input makes the result non-finite, so a norm doubles as an inf check.
+    With ``exact=True`` the result is bit-identical to the total norm that
+    ``torch.nn.utils.clip_grad_norm_`` computes for fp32 and fp64 tensors (the torch backend's
+    recipe; for fp16/bf16 ones torch's norm is in their dtype, which overflows above 65504 in
+    fp16); otherwise a backend may use any faster fp32 reduction.
 
 ``mul_(tensors, factor)``
     Multiply every tensor in place by ``factor`` (an fp32 scalar tensor on any device), with the
@@ -52,7 +53,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["Kernels", "group_by_device_and_dtype", "to_device", "untracked"]
+__all__ = ["Kernels", "group_by_device_and_dtype", "per_tensor_norms", "to_device", "untracked"]
 
 
 @runtime_checkable
@@ -96,6 +97,29 @@ def group_by_device_and_dtype(
         if tensor.numel():
             groups[(tensor.device, tensor.dtype)].append(tensor)
     return dict(groups)
+
+
+def per_tensor_norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
+    """The norm of each tensor, in one multi-tensor launch per dtype: fp32 for fp16, bf16 and fp32
+    tensors (a half norm would overflow at the half type's largest value), fp64 for fp64 ones (torch
+    computes no fp32 norm of an fp64 tensor, and an fp64 norm may lie beyond fp32's range).
+
+    Example:
+        >>> tensors = [torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.float64)]
+        >>> [norm.dtype for norm in per_tensor_norms(tensors, 2)]
+        [torch.float32, torch.float64]
+    """
+    if all(tensor.dtype != torch.float64 for tensor in tensors):  # the common case: one launch
+        return list(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
+    wide = [i for i, tensor in enumerate(tensors) if tensor.dtype == torch.float64]
+    narrow = [i for i, tensor in enumerate(tensors) if tensor.dtype != torch.float64]
+    norms: list[Tensor] = [torch.empty(0)] * len(tensors)
+    for indices, dtype in ((wide, None), (narrow, torch.float32)):
+        if indices:
+            computed = torch._foreach_norm([tensors[i] for i in indices], norm_type, dtype=dtype)
+            for i, norm in zip(indices, computed, strict=True):
+                norms[i] = norm
+    return norms
 
 
 def to_device(tensor: Tensor, device: torch.device) -> Tensor:

@@ -307,16 +307,17 @@ class LossScaleMonitor(Callback):
         incident = skipped or (plugin.guard is None and seen)
         if incident or sample:
             norm = plugin.last_grad_norm if current else None
+            grad_norm = None if norm is None else float(norm.item())  # NaN on a step with a NaN gradient
             record = ScaleRecord(
                 step,
                 math.nan if scale is None else scale,
                 self._health.skipped,
-                math.nan if norm is None else float(norm.item()),
+                math.nan if grad_norm is None else grad_norm,
                 skipped,
             )
             self._record(record)
             if sample:
-                self._publish(trainer, record, log=True)
+                self._publish(trainer, record, grad_norm, log=True)
         first = incident and not self._named_first_incident
         if verdict is not None or first:
             self._named_first_incident |= incident
@@ -356,15 +357,19 @@ class LossScaleMonitor(Callback):
         # The guard's update count is exact: a batch whose backward was skipped steps Lightning, not it.
         return trainer.global_step if guard is None else guard.total_steps
 
-    def _publish(self, trainer: Trainer, record: ScaleRecord, log: bool) -> None:
-        """Put ``record``'s metrics into ``callback_metrics`` (every rank) and, if ``log``, the loggers."""
+    def _publish(self, trainer: Trainer, record: ScaleRecord, grad_norm: float | None, log: bool) -> None:
+        """Put ``record``'s metrics into ``callback_metrics`` (every rank) and, if ``log``, the loggers.
+
+        ``grad_norm``: the step's norm, ``None`` where it was not computed (the record's NaN may be
+        either that or a NaN gradient's norm, which is logged).
+        """
         plugin = self._require_plugin()
         scaler, guard = plugin.scaler, plugin.guard
         # The guard's count is the truth (it is in the checkpoint; reading it here, free where the steps
         # read their flags, is also what a fused optimizer's scheduler hold waits for). Unguarded: the
         # monitor's own count.
         skipped = self._health.skipped if guard is None else guard.skipped_steps
-        metrics = amp_metrics(scaler, record.scale, skipped, self._health.skip_rate, record.grad_norm,
+        metrics = amp_metrics(scaler, record.scale, skipped, self._health.skip_rate, grad_norm,
                               _clipping(trainer))  # fmt: skip
         publish(trainer, metrics)
         self._published = self._progress_count(trainer)
@@ -383,9 +388,10 @@ class LossScaleMonitor(Callback):
             return
         scaler, norm = self._plugin.scaler, self._plugin.last_grad_norm
         scale = math.nan if scaler is None else scaler.get_scale()  # one sync, once per epoch or validation
-        grad_norm = math.nan if norm is None else float(norm.item())  # this step's, if it was computed
-        record = ScaleRecord(trainer.global_step, scale, self._health.skipped, grad_norm, False)
-        self._publish(trainer, record, log=False)
+        grad_norm = None if norm is None else float(norm.item())  # this step's, if it was computed
+        known = math.nan if grad_norm is None else grad_norm
+        record = ScaleRecord(trainer.global_step, scale, self._health.skipped, known, False)
+        self._publish(trainer, record, grad_norm, log=False)
 
     def _announce(self, pl_module: LightningModule, verdict: HealthVerdict | None, forensics: bool) -> None:
         if verdict is None:

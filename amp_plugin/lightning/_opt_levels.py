@@ -104,14 +104,18 @@ def opt_level_arguments(level: object, **overrides: Any) -> dict[str, Any]:
     else:
         args = {"precision": f"{prefix}-true"}
     if masters and cast in (None, torch.float32):
+        given = [f"{name}={apex[name]!r}" for name in ("cast_model_type", "master_weights") if name in apex]
         fail(
             _CALL,
-            passed=f"level={level!r}, master_weights={masters!r}",
-            why="only a model cast to half has weights to master",
+            passed=", ".join([f"level={level!r}", *given]),
+            why="only a model cast to half has weights to master"
+            + ("" if "master_weights" in apex else f" (level {level} keeps master weights)"),
             allowed=(
                 "master weights with a model cast to half (O2, or cast_model_type=torch.float16/bfloat16)"
             ),
-            hint="use level 'O2'.",
+            hint=(
+                "use level 'O2' (an fp16 model with fp32 masters), or master_weights=False for an fp32 model."
+            ),
         )
     if keep is not None and cast not in (None, torch.float32):
         args["keep_fp32"] = NORM_LAYERS if keep else ()
@@ -153,9 +157,22 @@ def _scaler_arguments(precision: str, apex: dict[str, Any], default: float | str
             hint="use loss_scale='dynamic'.",
         )
     if loss_scale == "dynamic":
-        scaler = LossScaler(
-            min_scale=bounds.get("min_loss_scale"), max_scale=bounds.get("max_loss_scale", 2.0**24)
-        )
+        low, high = bounds.get("min_loss_scale"), bounds.get("max_loss_scale", 2.0**24)
+        if is_number(low) and is_number(high) and low > high:
+            fail(
+                _CALL,
+                passed=", ".join(f"{name}={value!r}" for name, value in bounds.items()),
+                why="min_loss_scale is above max_loss_scale"
+                + ("" if "max_loss_scale" in bounds else " (2**24 by default, as in Apex)"),
+                allowed="min_loss_scale <= max_loss_scale",
+                hint="lower min_loss_scale, or raise max_loss_scale.",
+            )
+        start = 2.0**16  # Apex's first dynamic scale, moved into the bounds
+        if isinstance(low, (int, float)) and is_number(low):
+            start = max(start, float(low))
+        if isinstance(high, (int, float)) and is_number(high):
+            start = min(start, float(high))
+        scaler = LossScaler(init_scale=start, min_scale=low, max_scale=high)
     else:
         if bounds:
             fail(

@@ -17,7 +17,6 @@ values for ``fabric.log_dict`` (:meth:`AMPPrecision.metrics`).
 
 from __future__ import annotations
 
-import math
 import weakref
 from contextlib import AbstractContextManager
 from typing import Any, Literal
@@ -368,7 +367,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
         ``amp/scale`` (fp16's loss scale), ``amp/skipped_steps``, ``amp/skip_rate`` (skipped steps
         over all steps of the run), and ``amp/grad_norm`` when ``grad_norm`` is passed (the
-        unscaled norm ``fabric.clip_gradients`` returned; left out when it is NaN). The
+        unscaled norm ``fabric.clip_gradients`` returned: NaN or inf on a step with such a gradient). The
         Trainer's ``LossScaleMonitor`` logs the same keys (its skip rate over a recent window).
         It reads the scale and the skip count from the device (a sync on CUDA): call it on logging steps.
 
@@ -378,16 +377,17 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         """
         if not (
             grad_norm is None
-            or (isinstance(grad_norm, (Tensor, int, float)) and not isinstance(grad_norm, bool))
+            or (isinstance(grad_norm, (int, float)) and not isinstance(grad_norm, bool))
+            or (isinstance(grad_norm, Tensor) and grad_norm.numel() == 1)
         ):
             fail(
                 "AMPPrecision.metrics",
-                passed=f"grad_norm={grad_norm!r:.80}",
+                passed=f"grad_norm={_described(grad_norm)}",
                 allowed="None, a number or a one-element tensor",
                 hint="pass what fabric.clip_gradients returned (or nothing).",
                 error=TypeError,
             )
-        return self._run.metrics(math.nan if grad_norm is None else float(grad_norm))
+        return self._run.metrics(None if grad_norm is None else float(grad_norm))
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -438,6 +438,12 @@ def _repoint(opt: Optimizer, replaced: dict[Tensor, Tensor]) -> None:
         group["params"] = [replaced.get(p, p) for p in group["params"]]
     for old in [p for p in opt.state if p in replaced]:
         opt.state[replaced[old]] = opt.state.pop(old)
+
+
+def _described(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{value!r:.80}"
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:

@@ -253,10 +253,16 @@ def test_raise_stops_training_with_history_and_forensics() -> None:
     assert monitor.health == "pathological"
 
 
-def test_first_skip_names_the_nan_parameter(said: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("value", "kind"), [(math.nan, "nan"), (math.inf, "inf")])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "norm-clip"])
+def test_first_skip_names_the_nan_parameter(
+    said: pytest.LogCaptureFixture, clip: float | None, value: float, kind: str
+) -> None:
+    # A norm clip of a step with an inf/NaN norm leaves the gradients as they are (torch's factor
+    # would make every gradient NaN, and the forensics would blame every parameter).
     monitor = LossScaleMonitor(warmup_steps=3)
-    _fit(Probe(poison=(12, 20), value=math.nan, param="net.0.bias"), monitor)
-    assert said.text.count("Non-finite gradients: net.0.bias (nan in 1 of 16 values, float32)") == 1
+    _fit(Probe(poison=(12, 20), value=value, param="net.0.bias"), monitor, gradient_clip_val=clip)
+    assert said.text.count(f"Non-finite gradients: net.0.bias ({kind} in 1 of 16 values, float32)") == 1
     assert "step 13 was skipped after warm-up" in said.text and monitor.health == "sporadic"
 
 
@@ -529,3 +535,17 @@ def test_bf16_skip_limits_apply_from_the_first_step(said: pytest.LogCaptureFixtu
         _fit(Probe(poison=(1, 2)), monitor, AMPPrecision("bf16-mixed"), steps=5)
     assert monitor.health == "pathological"
     assert "skip rate 50.0% over the last 4 steps; health: pathological" in said.text
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_nan_gradient_logs_a_nan_norm_not_the_last_finite_one(tmp_path: Path, clip: float | None) -> None:
+    module, logger = Probe(poison=(3,), value=math.nan), CSVLogger(tmp_path)
+    trainer = _fit(
+        module, LossScaleMonitor(), steps=4, logger=logger, log_every_n_steps=1, gradient_clip_val=clip
+    )
+    row = next(r for r in _rows(logger) if r.get("step") == 3 and "amp/skipped_steps" in r)
+    assert row["amp/skipped_steps"] == 1.0
+    assert math.isnan(row["amp/grad_norm"])  # an empty cell before: the key was left out
+    assert math.isnan(float(trainer.callback_metrics["amp/grad_norm"]))  # not step 2's finite norm
+    if clip is not None:
+        assert math.isnan(row["amp/grad_norm_clipped"])

@@ -155,7 +155,7 @@ def _corrupt_entries() -> list[Any]:
     good = LossScaler(init_scale=8.0, growth_interval=4).state_dict()
     return [
         {"precision": "16-mixed", "scaler": {**good, "scale": math.nan}},
-        {"precision": "16-mixed", "scaler": {**good, "_growth_tracker": 4}},
+        {"precision": "16-mixed", "scaler": {**good, "_growth_tracker": -1}},
         ["not", "a", "dict"],
         {"precision": "16-mixed", "scaler": "garbage"},
     ]

@@ -40,6 +40,14 @@ def broken_factory() -> nn.Module:
     raise RuntimeError("checkpoint missing")
 
 
+def exiting_factory() -> nn.Module:
+    raise SystemExit(0)  # a factory that parses sys.argv, or ends a script, exits
+
+
+def interrupted_factory() -> nn.Module:
+    raise KeyboardInterrupt
+
+
 def test_doctor_prints_the_report_and_recommends_what_auto_picks(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--no-measure"]) == 0
     out = capsys.readouterr().out
@@ -109,6 +117,7 @@ def test_doctor_passes_a_clean_model(capsys: pytest.CaptureFixture[str]) -> None
         ("tests.unit.cli.test_cli:not_a_model",
          r"not_a_model\(\) returned a dict; expected a torch.nn.Module"),
         ("tests.unit.cli.test_cli:broken_factory", r"calling broken_factory\(\) raised RuntimeError"),
+        ("tests.unit.cli.test_cli:exiting_factory", r"calling exiting_factory\(\) raised SystemExit: 0"),
     ],
 )
 def test_doctor_model_errors_exit_2_with_a_message(
@@ -121,6 +130,28 @@ def test_doctor_model_errors_exit_2_with_a_message(
     assert "HINT:" in captured.err
     with pytest.raises((ValueError, TypeError, ImportError, RuntimeError), match=expected):
         load_model(spec)
+
+
+def test_a_model_module_that_exits_at_import_exits_2_with_a_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "exits_at_import.py").write_text("import sys\n\nsys.exit(0)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["doctor", "--no-measure", "--model", "exits_at_import:build"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(
+        "amp-plugin doctor: error: --model 'exits_at_import:build': importing 'exits_at_import' failed "
+        "(SystemExit: 0)"
+    )
+    assert 'HINT: put its script part under `if __name__ == "__main__":`' in captured.err
+    assert "exits_at_import" not in sys.modules
+
+
+def test_an_interrupt_in_the_factory_is_not_turned_into_an_exit_status() -> None:
+    with pytest.raises(KeyboardInterrupt):
+        main(["doctor", "--no-measure", "--model", "tests.unit.cli.test_cli:interrupted_factory"])
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,6 +32,14 @@ class UpcastRMSNorm(HandRMSNorm):
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+class TalkingRMSNorm(HandRMSNorm):
+    """Mentions x.float() and torch.float32 only in words, so it still computes in fp16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x.float() would be safer
+        note = "autocast(...) or .double() would help"  # noqa: F841
+        return x / x.std(-1, keepdim=True)  # .to(torch.float32) first
+
+
 class BadModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -69,6 +77,25 @@ def test_audit_flags_each_hazard_of_a_bad_model() -> None:
     )
     norm = next(f for f in report.findings if f.code == "custom-norm")
     assert "eps=1e-08" in norm.message and "fp32_modules=(HandRMSNorm,)" in norm.message
+
+
+def test_a_norm_that_mentions_upcasting_only_in_comments_and_strings_is_flagged() -> None:
+    assert [f.code for f in audit_model(TalkingRMSNorm(8)).findings] == ["custom-norm"]
+    assert audit_model(UpcastRMSNorm(8)).findings == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp16_overflow_flags_exactly_the_values_fp16_rounds_to_inf(dtype: torch.dtype) -> None:
+    values = [65504.0, 65510.0, 65519.99, -65519.99, 65520.0, -65520.0, 70000.0, 1.0]
+    model = nn.Module()
+    model.register_buffer("big", torch.tensor(values, dtype=dtype))
+    becomes_inf = int(model.big.half().isinf().sum())
+    assert becomes_inf == 3
+    findings = audit_model(model).findings
+    assert [f.code for f in findings] == ["fp16-overflow"]
+    assert f"holds {becomes_inf} value(s) with |x| up to 7e+04 >= 65520" in findings[0].message
+    model.big = torch.tensor(values[:4], dtype=dtype)  # they round to 65504: finite in fp16
+    assert not model.big.half().isinf().any() and audit_model(model).findings == ()
 
 
 def test_audit_passes_a_clean_model() -> None:
@@ -111,3 +138,17 @@ def test_audit_report_format_rejects_a_bad_width(width: Any, error: type[Excepti
     with pytest.raises(error, match=rf"^AuditReport.format\(width={width!r}\) is not allowed here: "
         rf".*an int >= 20"):
         audit_model(nn.Linear(3, 8)).format(width)
+
+
+def test_fp16_underflow_counts_only_values_fp16_rounds_to_zero() -> None:
+    class Small(nn.Module):
+        def __init__(self, value: float) -> None:
+            super().__init__()
+            self.register_buffer("small", torch.full((8,), value))
+
+    for value in (2.0**-25, 1e-10):  # 2**-25 ties to 0
+        assert float(torch.tensor(value).half()) == 0.0
+        assert any(f.code == "fp16-underflow" for f in audit_model(Small(value)).findings)
+    value = 4e-8  # between 2**-25 and 2**-24: fp16 rounds it up to 2**-24
+    assert float(torch.tensor(value).half()) == 2.0**-24
+    assert not any(f.code == "fp16-underflow" for f in audit_model(Small(value)).findings)

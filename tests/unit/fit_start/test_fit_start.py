@@ -54,8 +54,16 @@ def test_fit_start_with_masters_refuses_a_half_parameter_stepped_without_one(cas
 def test_fit_start_with_half_weights_refuses_an_eps_fp16_rounds_to_zero() -> None:
     model = nn.Linear(2, 1).half()
     opts = [torch.optim.AdamW(model.parameters())]
-    with pytest.raises(ValueError, match=r"AdamW\(eps=1e-08\).*HINT"):
+    with pytest.raises(ValueError, match=r"AdamW\(eps=1e-08\).*rounds to 0.*HINT"):
         check_fit_start(model, opts, "cpu", torch.float16, True, "half")
+
+
+def test_fit_start_with_half_weights_refuses_a_subnormal_eps_for_what_it_is() -> None:
+    model = nn.Linear(2, 1).half()
+    opts = [torch.optim.AdamW(model.parameters(), eps=6e-5)]  # fp16 keeps it, as a subnormal
+    with pytest.raises(ValueError, match=r"AdamW\(eps=6e-05\).*subnormal \(stored as 6e-05\).*HINT") as info:
+        check_fit_start(model, opts, "cpu", torch.float16, True, "half")
+    assert "rounds to 0" not in str(info.value)
 
 
 @pytest.mark.parametrize("weights", ["master", "half"])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import operator
 import threading
 from typing import Any
 
@@ -59,6 +61,36 @@ def test_forced_module_casts_nested_args_and_kwargs() -> None:
     assert seen["table"] == {"a": torch.float32, "b": torch.float32}
     assert (seen["count"], seen["wide"]) == (torch.int64, torch.float64)  # ints and fp64 stay as they are
     assert seen["kinds"] == (list, dict)
+
+
+def test_forced_module_and_registered_function_keep_the_kind_of_a_mapping() -> None:
+    seen: list[Any] = []
+
+    class Takes(nn.Module):
+        def forward(self, table: Any) -> None:
+            seen.append((type(table), getattr(table, "default_factory", None), list(table)))
+            seen.append({k: v.dtype for k, v in table.items()})
+
+    class Spy(TorchFunctionMode):  # entered first, so it sees what Fp32Functions passes on
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return Takes()(args[0]) if func is F.relu else func(*args, **(kwargs or {}))
+
+    half = torch.ones(1, dtype=torch.float16)
+    tables: list[dict[str, Any]] = [
+        collections.defaultdict(list, b=half, a=half),
+        collections.OrderedDict(b=half, a=half),
+    ]
+    module = Takes()
+    force_fp32(module, (Takes,))
+    for table in tables:
+        module(table)
+    with Spy(), Fp32Functions(F.relu):
+        for table in tables:
+            F.relu(table)  # type: ignore[arg-type]
+    expected = [(collections.defaultdict, list, ["b", "a"]), (collections.OrderedDict, None, ["b", "a"])]
+    assert seen[0::2] == expected * 2
+    assert seen[1::2] == [{"b": torch.float32, "a": torch.float32}] * 4
+    assert tables[0]["b"].dtype == torch.float16  # the caller's mapping is not changed
 
 
 def test_exception_in_forced_forward_restores_autocast() -> None:
@@ -221,11 +253,28 @@ def test_check_functions_accepts_one_callable_or_a_sequence_and_dedupes() -> Non
         ((torch.Tensor.sigmoid_,), r"sigmoid_ works in place.*\(e.g. sigmoid\)"),
         ((torch.relu_,), r"relu_ works in place"),
         ((torch.Tensor.__iadd__,), r"__iadd__ works in place.*__add__"),
+        ((torch.Tensor.__ilshift__,), r"__ilshift__ works in place.*__lshift__"),
+        ((torch.Tensor.__setitem__,), r"__setitem__ \(x\[i\] = v\) writes into the tensor"),
     ],
 )
 def test_check_functions_refuses_what_is_not_a_torch_function(functions: object, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         check_functions(functions)
+
+
+# Python's augmented assignments (x += y, x <<= y, ...): each writes into its left operand.
+IN_PLACE_OPERATORS = [n for n in dir(operator) if n.startswith("__i") and hasattr(operator, f"__{n[3:]}")]
+
+
+@pytest.mark.parametrize("name", [n for n in IN_PLACE_OPERATORS if hasattr(torch.Tensor, n)])
+def test_check_functions_refuses_every_in_place_operator(name: str) -> None:
+    with pytest.raises(TypeError, match="works in place"):  # __ipow__ is pow_, __itruediv__ __idiv__
+        check_functions(getattr(torch.Tensor, name))
+
+
+def test_check_functions_accepts_dunders_that_only_start_like_in_place_ones() -> None:
+    dunders = (torch.Tensor.__invert__, torch.Tensor.__index__, torch.Tensor.__int__)
+    assert check_functions(dunders) == dunders
 
 
 def test_registered_function_runs_in_fp32_with_autocast_off_and_others_keep_autocast() -> None:
@@ -262,6 +311,16 @@ def test_an_out_tensor_is_written_not_a_copy_of_it() -> None:
     with torch.autocast("cpu", dtype=torch.float16), Fp32Functions(torch.sigmoid):
         result = torch.sigmoid(torch.zeros(2, dtype=torch.float16), out=out)
     assert result is out and out.tolist() == [0.5, 0.5]
+
+
+def test_an_in_place_call_of_a_registered_function_writes_into_the_callers_tensor() -> None:
+    y = torch.full((3,), -1.0, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Functions((F.relu, F.leaky_relu)):
+        assert F.relu(y, inplace=True) is y
+        assert F.leaky_relu(y - 1, 0.5, True).tolist() == [-0.5] * 3  # inplace given by position
+        assert nn.ReLU(inplace=True)(y) is y
+        assert F.relu(y).dtype == torch.float32  # without inplace the call still runs in fp32
+    assert y.dtype == torch.bfloat16 and y.tolist() == [0.0, 0.0, 0.0]
 
 
 def test_tensor_methods_are_registered_separately_from_torch_functions() -> None:

@@ -30,6 +30,7 @@ from tests.unit.kernels._tensors import (
     CPU,
     FP16,
     FP32,
+    FP64,
     MIXES,
     NONFINITE,
     REAL_APEX,
@@ -274,3 +275,12 @@ def test_reference_flush_mode_models_fast_math() -> None:
     assert flushed.tolist() == [0.0, 0.0, 2.0**-126, 0.0]
     assert torch.signbit(flushed).tolist() == [False, True, False, False]
     assert scaled(torch.tensor([2.0**-130], dtype=FP32), 2.0**10, flush=True).item() == 0.0  # operand flushed
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+@pytest.mark.parametrize("exact", [False, True])
+def test_fp64_gradients_have_an_fp64_norm(backend: Backend, norm_type: float, exact: bool) -> None:
+    grads = make_grads((FP64, FP32), backend.device)
+    norm = backend.kernels.norm(grads, norm_type, exact=exact)
+    assert norm.dtype == FP64  # torch computes no fp32 norm of fp64 tensors
+    torch.testing.assert_close(norm.cpu(), reference_norm(grads, norm_type), rtol=1e-6, atol=0)

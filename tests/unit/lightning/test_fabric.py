@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -421,7 +422,13 @@ def test_bf16_metrics_count_the_guards_skips_and_have_no_scale() -> None:
     plugin = AMPPrecision("bf16-mixed", device="cpu")
     fabric, model, opt = _setup(plugin)
     _train(fabric, model, opt, range(2), poison=(0,))
-    assert plugin.metrics(grad_norm=float("nan")) == {"amp/skipped_steps": 1.0, "amp/skip_rate": 0.5}
+    assert plugin.metrics() == {"amp/skipped_steps": 1.0, "amp/skip_rate": 0.5}
+    # The NaN norm clip_gradients returns on a step with a NaN gradient is logged, not left out.
+    nan_norm = plugin.metrics(grad_norm=torch.tensor(float("nan")))
+    assert set(nan_norm) == {"amp/skipped_steps", "amp/skip_rate", "amp/grad_norm"}
+    assert math.isnan(nan_norm["amp/grad_norm"])
+    with pytest.raises(TypeError, match=r"grad_norm=a tensor of shape \(3,\).*HINT"):
+        plugin.metrics(grad_norm=torch.ones(3))
     assert AMPPrecision("bf16-mixed", device="cpu", guard=False).metrics() == {}
 
 

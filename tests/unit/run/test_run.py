@@ -172,3 +172,45 @@ def test_a_state_of_the_wrong_shape_is_refused_with_a_hint(state: object, error:
     with pytest.raises(error, match=match):
         run.load_state_dict(state)  # type: ignore[arg-type]
     assert run.state_dict() == before
+
+
+def test_a_refusal_after_the_cast_says_the_model_is_half_now() -> None:
+    run = AMPRun("16-true", "cpu")
+    model = nn.Linear(2, 2)
+    run.convert(model, "cpu")  # what a fit does first, before configure_optimizers
+    with pytest.raises(ValueError, match="eps") as info:
+        run.attach(model, [torch.optim.AdamW(model.parameters(), eps=1e-8)])
+    assert "HINT" in str(info.value)
+    assert str(info.value).endswith("Rebuild the model, or load its fp32 weights, before trying again.")
+    assert "already cast to float16" in str(info.value)
+
+
+def test_a_refusal_before_any_cast_carries_no_note() -> None:
+    run = AMPRun("16-mixed", "cpu")
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="LBFGS") as info:
+        run.attach(model, [torch.optim.LBFGS(model.parameters())])
+    assert "already cast" not in str(info.value)
+
+
+def test_the_cpu_emulation_note_is_said_once_per_half_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    import amp_plugin.precision
+
+    monkeypatch.setattr(amp_plugin.precision, "native_on_cpu", lambda dtype: False)
+    said: list[str] = []
+
+    def say(message: str, warn: bool) -> None:
+        said.append(message)
+
+    for precision in ("16-mixed", "16-true", "16-mixed", "bf16-mixed", "bf16-true"):
+        AMPRun(precision, "cpu", say=say)
+    notes = [m for m in said if "CPU autocast emulates" in m]
+    assert len(notes) == 2, notes
+    assert "no fp16 instructions" in notes[0] and "no bf16 instructions" in notes[1]
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_master_weights_under_32_true_is_refused_with_a_fix_that_works(plugin: type) -> None:
+    with pytest.raises(ValueError, match=r"fp32 already.*HINT: drop master_weights") as info:
+        plugin("32-true", device="cpu", master_weights=True)
+    assert "32-mixed" not in str(info.value)  # no such precision

@@ -779,3 +779,11 @@ def test_snapshot_comparison_can_fail() -> None:
         assert_same_snapshots(a, snapshot(opt))
     nan = torch.tensor(float("nan"))
     assert same_bits(nan, nan.clone()) and not same_bits(nan, -nan)
+
+
+def test_pickled_after_scale_before_unscale_as_torch_allows() -> None:
+    for scaler in (torch.amp.GradScaler("cpu"), loss_scaler()):
+        model = mlp()
+        scaler.scale(_loss(model, data(1, seed=3)[0, 0])).backward()
+        copied = _pickled(scaler)  # torch refuses only once an optimizer was unscaled or stepped
+        assert copied.get_scale() == scaler.get_scale()

@@ -301,6 +301,8 @@ def test_misuse_errors_name_the_call_and_the_fix() -> None:
         scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match=r"update\(\) was called before scale"):
         scaler.update()
+    with pytest.raises(RuntimeError, match=r"recheck_\(\) was called before scale\(\). HINT"):
+        scaler.recheck_(opt)
     opt = _scaled_backward(scaler)
     with pytest.raises(RuntimeError, match=r"No inf checks were recorded prior to update\. .*HINT"):
         scaler.update()
@@ -419,3 +421,23 @@ def test_clip_grad_value_finds_an_inf_written_after_unscale_before_clamping(ours
     scaler.update()
     # ours skips the step; torch's steps with the inf clamped to 0.5
     assert torch.equal(model.weight, before) is ours
+
+
+@pytest.mark.parametrize("path", ["clip", "unscale-clip", "guard", "fused", "grad_norm"])
+def test_an_fp64_model_takes_every_scaler_path(path: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    opt = torch.optim.AdamW(model.parameters(), fused=path == "fused")
+    scaler = LossScaler("cpu", init_scale=1.0, dynamic=False) if path == "guard" else LossScaler("cpu")
+    scaler.scale(model(torch.ones(4, 3, dtype=torch.float64)).square().sum()).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    if path == "unscale-clip":
+        scaler.unscale_(opt)
+    if path in ("clip", "unscale-clip"):
+        assert scaler.clip_grad_norm_(opt, 1.0).dtype == torch.float64
+    if path == "grad_norm":
+        assert torch.isfinite(scaler.grad_norm(opt))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == 0
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

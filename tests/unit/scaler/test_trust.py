@@ -298,12 +298,14 @@ CORRUPT_STATES = [
     (lambda state: {"scale": 1.0}, "missing keys"),
     (_changed(weird=1), "unknown keys"),
     (_changed(_growth_tracker=-1), r"_growth_tracker=-1\) is not allowed"),
-    (_changed(_growth_tracker=2000), r"_growth_tracker=2000\) is not allowed here: .*an int in \[0, 1999\]"),
+    (_changed(_growth_tracker=2**31), r"_growth_tracker=2147483648\) is not allowed here: .*an int in \[0, "),
     (_changed(_growth_tracker=1.5), r"_growth_tracker=1.5\) is not allowed here: .*an int"),
     (_changed(_hysteresis_tracker=10**6), r"_hysteresis_tracker=1000000"),
     (_changed(skipped_steps=5, total_steps=4), r"skipped_steps=5"),
-    (_changed(scale=math.nan), "init_scale=nan"),
-    (_changed(scale=0.0), "init_scale=0.0"),
+    (_changed(scale=math.nan), r"state_dict\['scale'\]=nan"),
+    (_changed(scale=0.0), r"state_dict\['scale'\]=0.0"),
+    (_changed(scale=1e39), r"state_dict\['scale'\]=1e\+39.*fp32"),  # a finite float fp32 makes inf
+    (_changed(scale=1e39, growth_interval=7), r"state_dict\['scale'\]=1e\+39"),  # nothing else loads
     (_changed(growth_factor=0.5), "growth_factor"),
     (_changed(total_steps=-1), "total_steps=-1"),
     (_changed(dynamic="yes"), "dynamic='yes'"),
@@ -339,8 +341,12 @@ def test_corrupt_states_are_refused_and_change_nothing(
         ({"kernels": "apex"}, RuntimeError, r"kernels='apex'.*amp_C"),
         ({"sync_found_inf": 1}, ValueError, r"sync_found_inf=1"),
         ({"sync_found_inf": "yes"}, ValueError, r"sync_found_inf='yes'"),
-        ({"init_scale": 0.0}, ValueError, r"init_scale=0.0.*finite number >="),
+        ({"init_scale": 0.0}, ValueError, r"init_scale=0.0.*finite number in"),
         ({"init_scale": float("inf")}, ValueError, "init_scale=inf"),
+        ({"init_scale": 1e39}, ValueError, r"init_scale=1e\+39.*fp32"),  # finite in Python, inf in fp32
+        ({"init_scale": "1"}, TypeError, r"init_scale='1'.*a number"),
+        ({"min_scale": 1e39}, ValueError, r"min_scale=1e\+39"),
+        ({"max_scale": 1e39}, ValueError, r"max_scale=1e\+39"),
         ({"growth_factor": 1.0}, ValueError, r"growth_factor=1.0.*> 1"),
         ({"backoff_factor": 1.0}, ValueError, r"backoff_factor=1.0.*\(0, 1\)"),
         ({"backoff_factor": 0.0}, ValueError, "backoff_factor=0.0"),
@@ -376,3 +382,55 @@ def test_bad_setter_values_raise_and_change_nothing(setter: str, value: Any, err
     with pytest.raises(error, match="HINT"):
         getattr(scaler, setter)(value)
     assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize(
+    "new_scale", [1e39, torch.tensor(1e39, dtype=torch.float64)], ids=["float", "fp64-tensor"]
+)
+def test_a_manual_scale_fp32_cannot_hold_is_refused(new_scale: Any) -> None:
+    scaler = LossScaler("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match=r"new_scale=1e\+39.*HINT"):
+        scaler.update(new_scale=new_scale)
+    assert scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize("scaler_type", [LossScaler, torch.amp.GradScaler])
+def test_a_state_saved_after_set_growth_interval_lowered_the_interval_loads(scaler_type: type) -> None:
+    scaler = scaler_type("cpu")
+    model, opt = _model_and_opt()
+    for _ in range(5):
+        _backward(scaler, model)
+        scaler.step(opt)
+        scaler.update()
+    scaler.set_growth_interval(3)  # below the 5 clean steps counted: the tracker counts on, as torch's
+    _backward(scaler, model)
+    scaler.step(opt)
+    scaler.update()
+    state = scaler.state_dict()
+    assert state["_growth_tracker"] > state["growth_interval"]
+    for target in (LossScaler("cpu"), LossScaler.from_grad_scaler(torch.amp.GradScaler("cpu"))):
+        target.load_state_dict(state)
+        assert target.state_dict()["_growth_tracker"] == state["_growth_tracker"]
+
+
+@pytest.mark.parametrize(("poison", "skipped"), [(None, 0), (math.inf, 1)])
+def test_an_iteration_closed_by_a_manual_scale_is_counted(poison: float | None, skipped: int) -> None:
+    scaler = LossScaler("cpu", init_scale=8.0)
+    model, opt = _model_and_opt()
+    _backward(scaler, model, poison)
+    scaler.step(opt)
+    scaler.update(new_scale=4.0)
+    assert (scaler.total_steps, scaler.skipped_steps) == (1, skipped)
+    assert scaler.last_step_skipped is bool(skipped)
+    assert scaler.get_scale() == 4.0
+    scaler.scale(torch.ones(()))  # no step in this iteration: nothing to count
+    scaler.update(new_scale=2.0)
+    assert (scaler.total_steps, scaler.skipped_steps) == (1, skipped)
+
+
+
+def test_from_grad_scaler_refuses_settings_the_grad_scaler_gives() -> None:
+    with pytest.raises(TypeError, match=r"from_grad_scaler\(init_scale=4.0\).*come from the GradScaler"):
+        LossScaler.from_grad_scaler(torch.amp.GradScaler("cpu"), init_scale=4.0)
+    assert LossScaler.from_grad_scaler(torch.amp.GradScaler("cpu"), hysteresis=2).hysteresis == 2

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_plugin import LossScaler
@@ -523,3 +524,15 @@ def test_fabric_checkpoints_the_history(precision: str) -> None:
     _, resumed = fabric_run(0, state)
     assert resumed.recorded("loss") == resumed.recorded("grad_norm") == spike.recorded() == 5
     assert resumed.state_dict() == spike.state_dict()
+
+
+def test_a_grad_norm_spike_guard_refuses_sparse_gradients_before_unscaling_them() -> None:
+    embedding = nn.Embedding(5, 2, sparse=True)
+    opt = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    scaler = LossScaler("cpu", spike_guard=SpikeGuard(on=("loss", "grad_norm")))
+    scaler.scale(embedding(torch.tensor([1, 2])).sum()).backward()
+    before = embedding.weight.grad.coalesce().values().clone()
+    with pytest.raises(TypeError, match=r"sparse gradients or take their norm.*HINT"):
+        scaler.step(opt)
+    assert scaler.stage(opt) == "ready"  # nothing was unscaled: the scaler still steps with a dense model
+    assert torch.equal(embedding.weight.grad.coalesce().values(), before)
