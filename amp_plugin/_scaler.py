@@ -38,6 +38,7 @@ from amp_plugin._scale_policy import DynamicScale
 from amp_plugin._sharding import ShardAwareKernels, has_dtensor, local_shards
 from amp_plugin._validation import check_bool, check_int, check_number, fail
 from amp_plugin.kernels import Backend, get_kernels
+from amp_plugin.kernels._base import untracked
 from amp_plugin.spike import SpikeGuard, check_spike_guard
 
 __all__ = ["LossScaler"]
@@ -320,6 +321,8 @@ class LossScaler:
         """
         if not self._enabled:
             return outputs
+        if self._sync_mode is True:  # refused here, before anything of the iteration happened
+            distributed.checked_sync_enabled(True, self.process_group)
         if isinstance(outputs, Tensor):
             return cast(T, self._scale_tensor(outputs))
         if isinstance(outputs, (list, tuple)):
@@ -351,7 +354,9 @@ class LossScaler:
         # itself (bit for bit torch's GradScaler's gradients) for a finite loss, NaN for an inf/NaN
         # one, which the step's inf check then finds. Three launches in all, as a Python
         # autograd.Function took, in C++: no Python runs in forward or backward.
-        return loss * torch.add(factor, loss.detach(), alpha=0)
+        with untracked():  # the factor carries no autograd history (grad mode off costs less than a detach)
+            factor = torch.add(factor, loss, alpha=0)
+        return loss * factor
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.

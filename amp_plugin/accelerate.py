@@ -33,10 +33,10 @@ def use_loss_scaler(accelerator: Any, scaler: LossScaler | None = None) -> LossS
 
     Call it right after ``Accelerator(mixed_precision="fp16", ...)``, before ``prepare``. With
     ``scaler=None`` the ``LossScaler`` takes the settings and state of the ``GradScaler`` Accelerate
-    made (``GradScalerKwargs`` included), or GradScaler's defaults on the CPU, where Accelerate
-    makes none; there it also turns on Accelerate's fp16 autocast (``accelerator.native_amp``),
-    which Accelerate itself leaves off on the CPU. A second call without ``scaler`` returns the
-    installed one. Everything is checked before anything changes.
+    made (``GradScalerKwargs`` included); on the CPU, where Accelerate makes none, it takes the
+    ``GradScalerKwargs`` itself (else GradScaler's defaults), and turns on Accelerate's fp16
+    autocast (``accelerator.native_amp``), which Accelerate itself leaves off on the CPU. A second
+    call without ``scaler`` returns the installed one. Everything is checked before anything changes.
 
     Raises:
         ImportError: Accelerate is not installed.
@@ -56,7 +56,11 @@ def use_loss_scaler(accelerator: Any, scaler: LossScaler | None = None) -> LossS
     if scaler is None:
         if isinstance(current, LossScaler):
             return current
-        scaler = LossScaler() if current is None else LossScaler.from_grad_scaler(current)
+        if current is None:  # on the CPU Accelerate builds no GradScaler, but keeps its kwargs
+            handler = getattr(accelerator, "scaler_handler", None)
+            scaler = LossScaler(**(handler.to_kwargs() if handler is not None else {}))
+        else:
+            scaler = LossScaler.from_grad_scaler(current)
     if accelerator.device.type == "cpu":
         accelerator.native_amp = True  # Accelerate's autocast (prepare, accelerator.autocast) and unscale_
     accelerator.scaler = scaler

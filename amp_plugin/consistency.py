@@ -162,6 +162,16 @@ def _validated_check_args(scaler: Any, parameters: Any) -> tuple[dict[str, Any] 
         )
     params = None
     if parameters is not None:
+        if not isinstance(parameters, nn.Module) and (
+            isinstance(parameters, (Tensor, str, type)) or not isinstance(parameters, Iterable)
+        ):
+            fail(
+                "check_consistency",
+                passed=f"parameters={parameters!r:.60}",
+                allowed="a module instance or an iterable of tensors",
+                hint="pass model or model.parameters().",
+                error=TypeError,
+            )
         items = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
         wrong = [type(p).__qualname__ for p in items if not isinstance(p, Tensor)]
         if wrong:

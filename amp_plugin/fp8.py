@@ -20,8 +20,8 @@ Which layers (:func:`select_layers`), by default:
   tied embedding): these are the layers where fp8's 3-4 significant bits hurt accuracy most.
 
 A user filter (``filter=``: fully-qualified layer names, or a predicate ``(module, name) -> bool``)
-replaces the size and first/last rules; the multiple-of-16, own-forward and ``fp32_modules`` rules
-always hold.
+replaces the size, first/last and tied-weight rules; the multiple-of-16, own-forward and
+``fp32_modules`` rules always hold.
 
 Checkpoints stay ordinary: torchao's ``Float8Linear`` keeps the original fp32 parameters, so its
 state dict holds plain tensors under the same keys (with ``all_gather=True`` the weight is a
@@ -55,6 +55,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from amp_plugin._imports import require_torchao
 from amp_plugin._sharding import has_dtensor
 from amp_plugin._validation import check_bool, check_choice, check_int, check_module, fail
+from amp_plugin.fp32_policy import check_module_classes
 
 __all__ = ["RECIPES", "Float8", "Float8Report", "convert", "select_layers"]
 
@@ -303,8 +304,9 @@ def select_layers(
     """
     check_module("select_layers", "model", model)
     spec = Float8.of(spec, "select_layers") or Float8()
+    classes = check_module_classes(fp32_modules, "select_layers", "fp32_modules")
     linears = list(_linears(model))
-    in_fp32 = _in_fp32_modules(model, tuple(fp32_modules))
+    in_fp32 = _in_fp32_modules(model, classes)
     _check_named_filter(spec, dict(linears), in_fp32)
     shared = _shared_parameter_ids(model) if spec.filter is None else set()
     converted: list[LayerChoice] = []

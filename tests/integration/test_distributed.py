@@ -350,9 +350,14 @@ def test_sync_true_without_a_process_group_raises() -> None:
     with pytest.raises(RuntimeError, match=r"sync_found_inf=True but torch.distributed is not initialised"):
         sync_enabled(True)
     scaler = LossScaler(sync_found_inf=True)
-    _, opt = _scaled_grads(scaler)
     with pytest.raises(RuntimeError, match=r"HINT: call torch.distributed.init_process_group"):
-        scaler.step(opt)
+        _scaled_grads(scaler)  # at scale(), before any gradient is scaled or unscaled
+
+
+@pytest.mark.parametrize("parameters", [5, nn.Linear, "weights", torch.ones(2)])
+def test_check_consistency_refuses_what_is_not_a_module_or_its_parameters(parameters: object) -> None:
+    with pytest.raises(TypeError, match=r"^check_consistency\(parameters=.*HINT: pass model"):
+        check_consistency(LossScaler(), parameters)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mode", ["yes", 1, None, "True"])

@@ -127,6 +127,16 @@ def test_the_default_on_the_cpu_is_grad_scalers_default() -> None:
     assert (scaler.get_scale(), scaler.get_growth_interval()) == (2.0**16, 2000)
 
 
+def test_on_the_cpu_grad_scaler_kwargs_still_apply() -> None:
+    from accelerate.utils import GradScalerKwargs
+
+    kwargs = GradScalerKwargs(init_scale=1024.0, growth_interval=10)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[kwargs])
+    assert accelerator.scaler is None  # Accelerate builds no GradScaler on the CPU
+    scaler = use_loss_scaler(accelerator)
+    assert (scaler.get_scale(), scaler.get_growth_interval()) == (1024.0, 10)
+
+
 @pytest.mark.parametrize(
     ("make", "scaler", "error", "match"),
     [

@@ -383,3 +383,11 @@ def test_what_is_not_a_model_is_refused_with_a_hint(call: str) -> None:
     match = rf"^{call}\(model=int\) is not allowed here: .*torch\.nn\.Module.*HINT"
     with pytest.raises(TypeError, match=match):
         function(3)
+
+
+@pytest.mark.parametrize("fp32_modules", [nn.GELU, ("GELU",), "GELU"])
+def test_bad_fp32_modules_are_refused_with_a_hint(fp32_modules: object) -> None:
+    from amp_plugin.fp8 import select_layers
+
+    with pytest.raises(TypeError, match=r"^select_layers\(fp32_modules=.*HINT"):
+        select_layers(nn.Sequential(nn.Linear(16, 16)), "tensorwise", fp32_modules)  # type: ignore[arg-type]

@@ -344,11 +344,13 @@ def test_order_errors_begin_with_grad_scalers_own_sentence(misuse: str) -> None:
     assert "HINT:" in we_say[len(torch_says) :]
 
 
-def test_sync_true_without_process_group_raises() -> None:
-    scaler = LossScaler(sync_found_inf=True)
-    opt = _scaled_backward(scaler)
-    with pytest.raises(RuntimeError, match="not initialised"):
-        scaler.step(opt)
+def test_sync_true_without_process_group_raises_before_anything_is_scaled() -> None:
+    scaler = LossScaler("cpu", sync_found_inf=True)
+    with pytest.raises(RuntimeError, match=r"not initialised.*HINT"):
+        scaler.scale(torch.ones((), requires_grad=True))
+    # Nothing began: no scale tensor, no iteration (a state can be loaded, the scaler pickled).
+    scaler.load_state_dict(LossScaler("cpu", init_scale=8.0).state_dict())
+    assert scaler.get_scale() == 8.0
 
 
 def test_update_does_not_sync_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
