@@ -287,7 +287,8 @@ class AMPRun:
             # Two lines fit a terminal; said once per half type, whichever precision name asked for it.
             _say_once(self.say, f"{self.call}({name!r}): {note}.\n{fix}", True, key=f"{dtype} warning")
         elif note is not None:  # information where it was asked for by name
-            message = f"{self.call}({name!r}): {note};\nleave AMPPrecision out for fp32."
+            faster = "as asked, it runs; fp32 (no AMPPrecision) would run faster here."
+            message = f"{self.call}({name!r}): {note};\n{faster}"
             _say_once(self.say, message, False, key=f"{dtype} info")
         return name
 

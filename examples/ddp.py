@@ -65,7 +65,8 @@ class RankSummary(Callback):
         print(f"steps         {trainer.global_step} ({self.samples / elapsed:,.0f} samples/s across ranks)")
         print(f"train loss    {float(getattr(pl_module, 'last_loss', float('nan'))):.4f} (rank 0)")
         print(f"loss scaler   {did}")
-        print("ranks agree   scale, scaler trackers and parameter checksum are identical on every rank")
+        agreed = "parameter checksum" if scaler is None else "scale, scaler trackers and parameter checksum"
+        print(f"ranks agree   {agreed} identical on every rank (check_consistency)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("loss", f"{losses[0]:.3f} -> {sum(losses[-5:]) / 5:.3f} (mean of the last 5)"),
         ("skipped steps", f"{len(first['skipped']) + len(second['skipped'])} at steps "
                           f"{first['skipped'] + second['skipped']}"),
-        ("grad norm", f"{norms[0]:.2f} -> {norms[-1]:.2f} (unscaled, clipped to {MAX_NORM})"),
+        ("grad norm", f"{norms[0]:.2f} -> {norms[-1]:.2f} (unscaled, before each clip to {MAX_NORM})"),
         ("loss scale", f"{scaler.get_scale():g} (saved after step {half}: {resumed_scale:g})"),
         ("resume", "bit-exact" if torch.equal(straight, flat(model2)) else "DIFFERS"),
     ])  # fmt: skip

@@ -231,7 +231,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
     ]
     if summary.get("plot"):
-        lines.append(("plot", f"{summary['plot']} (scale on a 2^k axis, skips marked; skips so far below)"))
+        shown = "the scale at logged steps on a 2^k axis, skips marked; below: skips so far"
+        lines.append(("plot", f"{summary['plot']} ({shown})"))
     print_key_values("Summary", lines)
 
 

@@ -388,6 +388,7 @@ def summarize(
         "chance_accuracy": 1 / VOCAB,
         "loss_scaling": scaling,
         "log_dir": trainer.log_dir,
+        "logged": "loss, val_acc" if monitor is None else "loss, val_acc, amp/*",  # the monitor logs amp/*
         "wall_seconds": wall_seconds,
     }
 
@@ -398,7 +399,7 @@ def _device_name(device: torch.device) -> str:
     intra, inter = torch.get_num_threads(), torch.get_num_interop_threads()
     return (
         f"{device.type} ({intra} intra-op thread{'s' if intra > 1 else ''}, {inter} inter-op "
-        f"thread{'s' if inter > 1 else ''}, no DataLoader workers: pinned, see --threads)"
+        f"thread{'s' if inter > 1 else ''}, no DataLoader workers; see --threads)"
     )
 
 
@@ -431,7 +432,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("val accuracy", f"{summary['val_accuracy']:.1%}  (chance {summary['chance_accuracy']:.1%})"),
         ("loss scaling", summary["loss_scaling"]),
         ("wall time", f"{summary['wall_seconds']:.1f} s (data, model, fit, validation; not the comparison)"),
-        ("logs", f"{summary['log_dir']}/metrics.csv (loss, val_acc, amp/*)"),
+        ("logs", f"{summary['log_dir']}/metrics.csv ({summary['logged']})"),
     ]
     print_key_values("Summary", lines)
 

@@ -318,9 +318,14 @@ class LossScaleMonitor(Callback):
             self._record(record)
             if sample:
                 self._publish(trainer, record, grad_norm, log=True)
-        first = incident and not self._named_first_incident
+        # A skip while fp16's scale calibrates is expected, and every gradient of it overflowed: naming
+        # them says nothing. The forensics wait for the first skip after warm-up, or for an inf/NaN the
+        # tracer saw in a forward pass (which no loss scale causes).
+        in_forward = tracer is not None and tracer.forward_record is not None
+        calibrating = skipped and self._health.state == "warm-up" and not in_forward
+        first = incident and not calibrating and not self._named_first_incident
         if verdict is not None or first:
-            self._named_first_incident |= incident
+            self._named_first_incident |= incident and not calibrating
             forensics = first or (incident and _is_pathological(verdict))  # no inf/NaN to name otherwise
             self._announce(pl_module, verdict, forensics)
 

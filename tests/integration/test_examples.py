@@ -263,7 +263,7 @@ def test_fabric_example_skips_clips_and_resumes_bit_exactly(request: pytest.Fixt
     assert _summary_value(out, "precision").startswith("16-mixed (torch.float16) with LossScaler")
     skipped = ast.literal_eval(_summary_value(out, "skipped steps").partition("at steps ")[2])
     assert 1 in skipped and 0 not in skipped  # the warm-up skip, counted from 1 as everywhere
-    assert "(unscaled, clipped to 5.0)" in _summary_value(out, "grad norm")
+    assert "(unscaled, before each clip to 5.0)" in _summary_value(out, "grad norm")
     assert _summary_value(out, "resume") == "bit-exact"
 
 

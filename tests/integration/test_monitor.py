@@ -549,3 +549,14 @@ def test_a_nan_gradient_logs_a_nan_norm_not_the_last_finite_one(tmp_path: Path, 
     assert math.isnan(float(trainer.callback_metrics["amp/grad_norm"]))  # not step 2's finite norm
     if clip is not None:
         assert math.isnan(row["amp/grad_norm_clipped"])
+
+
+def test_a_skip_while_the_scale_calibrates_names_no_parameter(said: pytest.LogCaptureFixture) -> None:
+    # Saying "this is normal" and then listing non-finite gradients alarmed newcomers; the list waits
+    # for the first skip after warm-up, which may be a real problem.
+    _fit(Probe(poison=(1, 12), value=math.nan, param="net.0.bias"), LossScaleMonitor(warmup_steps=5))
+    text = said.text
+    assert "step 2 was skipped while the loss scale calibrates" in text
+    assert text.count("Non-finite gradients:") == 1
+    after = text.split("step 13 was skipped after warm-up", 1)[1]
+    assert "Non-finite gradients: net.0.bias (nan in 1 of 16 values" in after
