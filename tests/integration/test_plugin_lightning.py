@@ -233,3 +233,33 @@ def test_the_scheduler_wrapper_copies_and_pickles(how: str) -> None:
     epoch = clone.last_epoch
     clone.step()  # still a working scheduler
     assert clone.last_epoch == epoch + 1
+
+
+class _Dtypes(LightningModule):
+    """Records the dtype of a Linear's output in each training step (what autocast made of it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.dtypes = nn.Linear(4, 1), []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        out = self.layer(batch[0])
+        self.dtypes.append(out.dtype)
+        return out.float().square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_fp16_on_a_cpu_is_fp16_where_lightning_switches_to_bf16() -> None:
+    """comparison.md: Lightning's "16-mixed" on a CPU warns and trains in bf16; ours trains in fp16."""
+    data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+    quiet: dict[str, Any] = dict(accelerator="cpu", devices=1, max_steps=2, logger=False)
+    quiet.update(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    theirs, ours = _Dtypes(), _Dtypes()
+    with pytest.warns(UserWarning, match="fp16 is not supported on CPU"):
+        lightning = Trainer(precision="16-mixed", **quiet)
+    lightning.fit(theirs, data)
+    Trainer(plugins=[AMPPrecision("16-mixed", device="cpu")], **quiet).fit(ours, data)
+    assert (lightning.precision_plugin.precision, theirs.dtypes) == ("bf16-mixed", [torch.bfloat16] * 2)
+    assert ours.dtypes == [torch.float16] * 2
