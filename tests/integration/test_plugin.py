@@ -257,6 +257,27 @@ def test_two_optimizers_one_overflows_one_backoff_per_batch() -> None:
     assert not torch.equal(g2, g3)  # the generator stepped; its own gradients were finite
 
 
+def test_lightnings_mixed_precision_updates_the_scale_after_every_optimizer_step() -> None:
+    """comparison.md, Lightning's cell: two optimizers per batch make two scale updates per batch."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    updates: list[float] = []
+    update = scaler.update
+    scaler.update = lambda *a, **k: (updates.append(scaler.get_scale()), update(*a, **k))[1]  # type: ignore[method-assign]
+    _fit(_GanModule(), MixedPrecision("16-mixed", "cpu", scaler=scaler), steps=8)  # 4 batches x 2 steps
+    assert len(updates) == 8  # ours: 4, one per batch (see the test above); growth counts steps, not batches
+
+
+def test_lightnings_mixed_precision_steps_the_scheduler_of_a_skipped_step_with_torchs_warning() -> None:
+    """comparison.md, Lightning's cell: a skipped first step, then the scheduler steps (Lightning #5558)."""
+    module = TinyModule(poison=(0,), sched=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(module, MixedPrecision("16-mixed", "cpu", scaler=scaler), steps=3)
+    assert [w for w in caught if "lr_scheduler.step()` before `optimizer.step()" in str(w.message)]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)  # 3 advances
+
+
 class _ManualClipModule(LightningModule):
     def __init__(self) -> None:
         super().__init__()
