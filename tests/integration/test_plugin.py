@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -307,6 +308,25 @@ def test_manual_optimization_clips_unscaled_gradients() -> None:
     assert scaler.skipped_steps == 0
     assert module.clipped_norms == pytest.approx([1e-3] * 3, rel=1e-3)
     assert plugin.last_grad_norm is not None and plugin.last_grad_norm > 0.1  # the norm before the clip
+
+
+def test_lightnings_manual_clip_gradients_clips_the_scaled_gradients() -> None:
+    """comparison.md, Lightning's cell (issue 18089): the clip sees gradients still times the scale."""
+
+    def step_sizes(plugin: Any) -> list[float]:
+        module = _ManualClipModule()
+        weights = [torch.cat([p.detach().flatten() for p in module.parameters()])]
+        module.on_train_batch_end = lambda *_: weights.append(  # type: ignore[method-assign]
+            torch.cat([p.detach().flatten() for p in module.parameters()])
+        )
+        _fit(module, plugin, steps=3)
+        return [(b - a).norm().item() / 0.1 for a, b in itertools.pairwise(weights)]  # SGD, lr 0.1
+
+    lightning = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    ours = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=2.0**8))
+    # fp32 weights round such small steps: 5% is far tighter than the factor of 2**8 between the two.
+    assert step_sizes(lightning) == pytest.approx([1e-3 / 2**8] * 3, rel=5e-2)  # clipped while scaled
+    assert step_sizes(ours) == pytest.approx([1e-3] * 3, rel=5e-2)
 
 
 def test_manual_optimization_double_step_raises() -> None:
