@@ -142,10 +142,14 @@ def test_nan_from_a_hook_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) ->
     assert r0["params_equal_across_ranks"] and r0["params_finite"]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "fused"])
-def test_bf16_inf_on_one_rank_is_skipped_on_every_rank(tmp_path: Path, optimizer: str) -> None:
-    """bf16 has no loss scaler; its guard still agrees on the skip across ranks (ddp_fork)."""
-    plugin = AMPPrecision("bf16-mixed")
+@pytest.mark.parametrize(
+    ("precision", "optimizer"), [("bf16-mixed", "sgd"), ("bf16-mixed", "fused"), ("32-true", "sgd")]
+)
+def test_a_guarded_inf_on_one_rank_is_skipped_on_every_rank(
+    tmp_path: Path, precision: str, optimizer: str
+) -> None:
+    """bf16 and fp32 have no loss scaler; the guard still agrees on the skip across ranks (ddp_fork)."""
+    plugin = AMPPrecision(precision)  # type: ignore[arg-type]
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=4, plugins=[plugin], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -155,7 +159,8 @@ def test_bf16_inf_on_one_rank_is_skipped_on_every_rank(tmp_path: Path, optimizer
     module.optimizer = optimizer
     trainer.fit(module, _loader())
     r0, r1 = _results(tmp_path)
-    assert r0["dtypes"] == r1["dtypes"] == ["torch.bfloat16"]
+    dtype = "torch.bfloat16" if precision == "bf16-mixed" else "torch.float32"
+    assert r0["dtypes"] == r1["dtypes"] == [dtype]
     assert r0["skipped"] == r1["skipped"] == 1  # rank 0 saw no inf and skipped too
     assert r0["params_equal_across_ranks"] and r0["params_finite"]
 

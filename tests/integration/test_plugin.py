@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,27 @@ def test_two_optimizers_one_overflows_one_backoff_per_batch() -> None:
     assert not torch.equal(g2, g3)  # the generator stepped; its own gradients were finite
 
 
+def test_lightnings_mixed_precision_updates_the_scale_after_every_optimizer_step() -> None:
+    """comparison.md, Lightning's cell: two optimizers per batch make two scale updates per batch."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    updates: list[float] = []
+    update = scaler.update
+    scaler.update = lambda *a, **k: (updates.append(scaler.get_scale()), update(*a, **k))[1]  # type: ignore[method-assign]
+    _fit(_GanModule(), MixedPrecision("16-mixed", "cpu", scaler=scaler), steps=8)  # 4 batches x 2 steps
+    assert len(updates) == 8  # ours: 4, one per batch (see the test above); growth counts steps, not batches
+
+
+def test_lightnings_mixed_precision_steps_the_scheduler_of_a_skipped_step_with_torchs_warning() -> None:
+    """comparison.md, Lightning's cell: a skipped first step, then the scheduler steps (Lightning #5558)."""
+    module = TinyModule(poison=(0,), sched=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(module, MixedPrecision("16-mixed", "cpu", scaler=scaler), steps=3)
+    assert [w for w in caught if "lr_scheduler.step()` before `optimizer.step()" in str(w.message)]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)  # 3 advances
+
+
 class _ManualClipModule(LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -286,6 +308,25 @@ def test_manual_optimization_clips_unscaled_gradients() -> None:
     assert scaler.skipped_steps == 0
     assert module.clipped_norms == pytest.approx([1e-3] * 3, rel=1e-3)
     assert plugin.last_grad_norm is not None and plugin.last_grad_norm > 0.1  # the norm before the clip
+
+
+def test_lightnings_manual_clip_gradients_clips_the_scaled_gradients() -> None:
+    """comparison.md, Lightning's cell (issue 18089): the clip sees gradients still times the scale."""
+
+    def step_sizes(plugin: Any) -> list[float]:
+        module = _ManualClipModule()
+        weights = [torch.cat([p.detach().flatten() for p in module.parameters()])]
+        module.on_train_batch_end = lambda *_: weights.append(  # type: ignore[method-assign]
+            torch.cat([p.detach().flatten() for p in module.parameters()])
+        )
+        _fit(module, plugin, steps=3)
+        return [(b - a).norm().item() / 0.1 for a, b in itertools.pairwise(weights)]  # SGD, lr 0.1
+
+    lightning = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    ours = AMPPrecision("16-mixed", device="cpu", scaler=LossScaler(init_scale=2.0**8))
+    # fp32 weights round such small steps: 5% is far tighter than the factor of 2**8 between the two.
+    assert step_sizes(lightning) == pytest.approx([1e-3 / 2**8] * 3, rel=5e-2)  # clipped while scaled
+    assert step_sizes(ours) == pytest.approx([1e-3] * 3, rel=5e-2)
 
 
 def test_manual_optimization_double_step_raises() -> None:

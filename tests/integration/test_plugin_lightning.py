@@ -254,12 +254,33 @@ class _Dtypes(LightningModule):
 def test_fp16_on_a_cpu_is_fp16_where_lightning_switches_to_bf16() -> None:
     """comparison.md: Lightning's "16-mixed" on a CPU warns and trains in bf16; ours trains in fp16."""
     data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
-    quiet: dict[str, Any] = dict(accelerator="cpu", devices=1, max_steps=2, logger=False)
+    quiet: dict[str, Any] = dict(devices=1, max_steps=2, logger=False)
     quiet.update(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     theirs, ours = _Dtypes(), _Dtypes()
     with pytest.warns(UserWarning, match="fp16 is not supported on CPU"):
-        lightning = Trainer(precision="16-mixed", **quiet)
+        lightning = Trainer(accelerator="cpu", precision="16-mixed", **quiet)
     lightning.fit(theirs, data)
-    Trainer(plugins=[AMPPrecision("16-mixed", device="cpu")], **quiet).fit(ours, data)
+    Trainer(accelerator="cpu", plugins=[AMPPrecision("16-mixed", device="cpu")], **quiet).fit(ours, data)
     assert (lightning.precision_plugin.precision, theirs.dtypes) == ("bf16-mixed", [torch.bfloat16] * 2)
     assert ours.dtypes == [torch.float16] * 2
+
+
+class _NanAtStep1(_Dtypes):
+    def on_after_backward(self) -> None:
+        if self.global_step == 1:
+            self.layer.weight.grad[0, 0] = math.nan
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_lightning_steps_on_a_nan_gradient_without_a_scaler_and_ours_skips(precision: str) -> None:
+    """comparison.md: with no loss scaler, Lightning applies an inf/NaN step; our guard skips it."""
+    data = DataLoader(TensorDataset(torch.randn(12, 4)), batch_size=4)
+    quiet: dict[str, Any] = dict(devices=1, max_steps=3, logger=False)
+    quiet.update(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    theirs, ours = _NanAtStep1(), _NanAtStep1()
+    ours.load_state_dict(theirs.state_dict())
+    Trainer(accelerator="cpu", precision=precision, **quiet).fit(theirs, data)
+    Trainer(accelerator="cpu", plugins=[AMPPrecision(precision, device="cpu")], **quiet).fit(ours, data)
+    assert torch.isnan(theirs.layer.weight).any()  # the NaN step reached Lightning's weights
+    assert torch.isfinite(ours.layer.weight).all()
+    assert ours.trainer.precision_plugin.guard.skipped_steps == 1

@@ -450,3 +450,15 @@ def test_forced_module_makes_its_tensors_in_fp32_under_a_half_default_dtype(half
     assert out.dtype == torch.float32
     assert torch.equal(out, torch.arange(8, dtype=torch.float32) / 3)
     assert inside_after == half and after_error == half
+
+
+def test_nothing_in_torch_is_patched_inside_or_after_the_mode() -> None:
+    """comparison.md: a mode on what you pass in, where Apex's register_float_function patches torch."""
+    names = [(torch, "softmax"), (F, "softmax"), (torch.Tensor, "softmax"), (torch, "matmul")]
+    before = [getattr(owner, name) for owner, name in names]
+    x = torch.randn(2, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Functions([torch.softmax, F.softmax]):
+        inside = [getattr(owner, name) for owner, name in names]
+        assert F.softmax(x @ x.T, dim=-1).dtype == torch.float32  # the mode acts on the call
+    assert all(a is b for a, b in zip(before, inside, strict=True))
+    assert all(a is getattr(owner, name) for a, (owner, name) in zip(before, names, strict=True))

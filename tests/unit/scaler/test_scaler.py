@@ -282,6 +282,21 @@ def test_lightning_optimizer_is_unwrapped() -> None:
     assert unwrap_optimizer(LightningOptimizer(opt)) is opt
 
 
+def test_grad_scaler_unscales_a_lightning_optimizer_and_its_optimizer_twice() -> None:
+    """comparison.md, torch's cell: GradScaler keys its state by id(optimizer), so the wrapper that
+    Lightning hands the user and the optimizer inside it are two optimizers to it."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    grad = model.weight.grad.clone()
+    scaler.unscale_(LightningOptimizer(opt))
+    scaler.unscale_(opt)  # no error
+    assert torch.equal(model.weight.grad, grad / 16)  # divided by the scale twice
+
+
 def test_unwrap_rejects_non_optimizers() -> None:
     with pytest.raises(TypeError, match=r"Expected a torch\.optim\.Optimizer"):
         unwrap_optimizer(object())
