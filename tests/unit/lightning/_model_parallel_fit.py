@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from amp_plugin import AMPPrecision, LossScaleMonitor, LossScaler
 from amp_plugin.diagnostics import nonfinite_gradients
+from tests._ranks import skip_teardown_at_exit
 
 POISON_STEP = 2
 
@@ -101,6 +102,7 @@ def main(out_dir: str, precision: str, variant: str = "") -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    skip_teardown_at_exit()
 
 
 if __name__ == "__main__":

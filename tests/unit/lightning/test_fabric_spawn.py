@@ -23,7 +23,7 @@ from amp_plugin import LossScaler
 from amp_plugin.lightning._fsdp import AMPFSDPPrecision
 from amp_plugin.lightning._monitor import LossScaleMonitor
 from amp_plugin.lightning.fabric import AMPPrecision
-from tests._ranks import leave_group
+from tests._ranks import leave_group, skip_teardown_at_exit
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*emulates.*")
 
@@ -146,6 +146,7 @@ def _spawned(fabric: Fabric, out: str) -> None:
     # to the gloo group) joins gloo's thread with the GIL held, while that thread may still be
     # freeing the all_gather's work, whose Python tensors need the GIL: a deadlock, seen in CI.
     _KEPT.append((model, opt))
+    skip_teardown_at_exit()  # after Fabric hands rank 0's result back, the process exits as it is
 
 
 _KEPT: list[Any] = []
