@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import Kernels
-from amp_plugin.kernels._base import group_by_device_and_dtype, per_tensor_norms, to_device, untracked
+from amp_plugin.kernels._base import group_by_device_and_dtype, norm_dtype, to_device, untracked
 
 __all__ = [
     "ClipResult",
@@ -126,8 +126,8 @@ def nonfinite_and_norm(
     with torch.no_grad():
         norms = [
             norm if norm.device == one.device else to_device(norm, one.device)
-            for group in group_by_device_and_dtype(grads).values()
-            for norm in per_tensor_norms(group, 2.0)
+            for (_, dtype), group in group_by_device_and_dtype(grads).items()
+            for norm in torch._foreach_norm(group, 2.0, dtype=norm_dtype(dtype))
         ]
         if norms:
             torch._amp_foreach_non_finite_check_and_unscale_(norms, found_inf, one)

@@ -654,12 +654,11 @@ def _entered(*contexts: AbstractContextManager[Any] | None) -> Any:
         yield
 
 
-_SAID: set[str] = set()  # what _say_once said in this process, whichever adapter said it
+_SAID: set[str] = set()  # the keys _say_once said in this process, whichever adapter said them
 
 
-def _say_once(say: Say, message: str, warn: bool, key: str | None = None) -> None:
-    """Say ``message`` once per process (once per ``key`` where given: one thing said in several words)."""
-    key = message if key is None else key
+def _say_once(say: Say, message: str, warn: bool, key: str) -> None:
+    """Say ``message`` once per process for each ``key``, in the words of whoever asks first."""
     if key not in _SAID:
         _SAID.add(key)
         say(message, warn)

@@ -179,10 +179,14 @@ class StepDriver:
         """Run the hooks; record a requested norm no clip computed; whether a clip checked the gradients."""
         self._checked = False
         run_hooks()
-        if self._want_norm and self.last_grad_norm is None:
-            self.last_grad_norm = self.grad_norm(opt)
+        self._take_requested_norm(opt)
         self._want_norm = False
         return self._checked
+
+    def _take_requested_norm(self, optimizer: Any) -> None:
+        """Record the norm :meth:`request_grad_norm` asked for, unless a clip computed it already."""
+        if self._want_norm and self.last_grad_norm is None:
+            self.last_grad_norm = self.grad_norm(optimizer)
 
     def end_batch(self) -> None:
         """Close a batch of manual optimization: one scale update after all of its steps."""
@@ -211,8 +215,7 @@ class StepDriver:
 
         A requested :attr:`last_grad_norm` is taken first (the norm before the clip).
         """
-        if self._want_norm and self.last_grad_norm is None:
-            self.last_grad_norm = self.grad_norm(optimizer)
+        self._take_requested_norm(optimizer)
         self._read(unwrap_optimizer(optimizer))
         if self.scaler is not None:
             self.scaler.clip_grad_value_(optimizer, clip_value)

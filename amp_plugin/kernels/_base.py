@@ -53,7 +53,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["Kernels", "group_by_device_and_dtype", "per_tensor_norms", "to_device", "untracked"]
+__all__ = ["Kernels", "group_by_device_and_dtype", "norm_dtype", "per_tensor_norms", "to_device", "untracked"]
 
 
 @runtime_checkable
@@ -99,26 +99,37 @@ def group_by_device_and_dtype(
     return dict(groups)
 
 
-def per_tensor_norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
-    """The norm of each tensor, in one multi-tensor launch per dtype: fp32 for fp16, bf16 and fp32
-    tensors (a half norm would overflow at the half type's largest value), fp64 for fp64 ones (torch
+def norm_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """What torch's norms of ``dtype`` tensors accumulate in and return here: fp32 (a half norm would
+    overflow at the half type's largest value), or ``None``, their own dtype, for fp64 ones (torch
     computes no fp32 norm of an fp64 tensor, and an fp64 norm may lie beyond fp32's range).
+
+    Example:
+        >>> norm_dtype(torch.float16), norm_dtype(torch.float64)
+        (torch.float32, None)
+    """
+    return None if dtype == torch.float64 else torch.float32
+
+
+def per_tensor_norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
+    """The norm of each tensor, of any mix of dtypes, each in its :func:`norm_dtype`: one launch per dtype.
+
+    A group of one dtype (from :func:`group_by_device_and_dtype`) needs only
+    ``torch._foreach_norm(group, norm_type, dtype=norm_dtype(group[0].dtype))``.
 
     Example:
         >>> tensors = [torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.float64)]
         >>> [norm.dtype for norm in per_tensor_norms(tensors, 2)]
         [torch.float32, torch.float64]
     """
-    if all(tensor.dtype != torch.float64 for tensor in tensors):  # the common case: one launch
-        return list(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
-    wide = [i for i, tensor in enumerate(tensors) if tensor.dtype == torch.float64]
-    narrow = [i for i, tensor in enumerate(tensors) if tensor.dtype != torch.float64]
-    norms: list[Tensor] = [torch.empty(0)] * len(tensors)
-    for indices, dtype in ((wide, None), (narrow, torch.float32)):
-        if indices:
-            computed = torch._foreach_norm([tensors[i] for i in indices], norm_type, dtype=dtype)
-            for i, norm in zip(indices, computed, strict=True):
-                norms[i] = norm
+    by_dtype: dict[torch.dtype | None, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_dtype.setdefault(norm_dtype(tensor.dtype), []).append(i)
+    norms: list[Tensor] = list(tensors)  # each replaced by its norm below
+    for dtype, indices in by_dtype.items():
+        computed = torch._foreach_norm([tensors[i] for i in indices], norm_type, dtype=dtype)
+        for i, norm in zip(indices, computed, strict=True):
+            norms[i] = norm
     return norms
 
 

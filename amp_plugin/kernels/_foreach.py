@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from amp_plugin.kernels import _triton
-from amp_plugin.kernels._base import group_by_device_and_dtype, per_tensor_norms, to_device, untracked
+from amp_plugin.kernels._base import group_by_device_and_dtype, norm_dtype, to_device, untracked
 
 __all__ = ["TorchKernels"]
 
@@ -137,7 +137,8 @@ def _total_norm(tensors: Sequence[Tensor], norm_type: float, group_norm: _GroupN
 
 
 def _foreach_group_norm(group: list[Tensor], norm_type: float) -> Tensor:
-    total: Tensor = torch.linalg.vector_norm(torch.stack(per_tensor_norms(group, norm_type)), norm_type)
+    norms = torch._foreach_norm(group, norm_type, dtype=norm_dtype(group[0].dtype))
+    total: Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     return total
 
 

@@ -34,7 +34,7 @@ from amp_plugin._optim import unwrap_optimizer
 from amp_plugin._run import AMPRun, RunOptions
 from amp_plugin._scaler import LossScaler
 from amp_plugin._schedulers import SkipAwareScheduler
-from amp_plugin._validation import fail
+from amp_plugin._validation import check_tensor_scalar, fail, is_number
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning._opt_levels import opt_level_arguments
 from amp_plugin.lightning._run_view import RunView
@@ -375,16 +375,15 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
             >>> AMPPrecision("16-mixed", device="cpu").metrics(grad_norm=0.5)
             {'amp/scale': 65536.0, 'amp/skipped_steps': 0.0, 'amp/skip_rate': 0.0, 'amp/grad_norm': 0.5}
         """
-        if not (
-            grad_norm is None
-            or (isinstance(grad_norm, (int, float)) and not isinstance(grad_norm, bool))
-            or (isinstance(grad_norm, Tensor) and grad_norm.numel() == 1)
-        ):
+        hint = "pass what fabric.clip_gradients returned (or nothing)."
+        if isinstance(grad_norm, Tensor):
+            check_tensor_scalar("AMPPrecision.metrics", "grad_norm", grad_norm, hint)
+        elif grad_norm is not None and not is_number(grad_norm) and not isinstance(grad_norm, float):
             fail(
                 "AMPPrecision.metrics",
-                passed=f"grad_norm={_described(grad_norm)}",
+                passed=f"grad_norm={grad_norm!r:.80}",
                 allowed="None, a number or a one-element tensor",
-                hint="pass what fabric.clip_gradients returned (or nothing).",
+                hint=hint,
                 error=TypeError,
             )
         return self._run.metrics(None if grad_norm is None else float(grad_norm))
@@ -438,12 +437,6 @@ def _repoint(opt: Optimizer, replaced: dict[Tensor, Tensor]) -> None:
         group["params"] = [replaced.get(p, p) for p in group["params"]]
     for old in [p for p in opt.state if p in replaced]:
         opt.state[replaced[old]] = opt.state.pop(old)
-
-
-def _described(value: object) -> str:
-    if isinstance(value, Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"{value!r:.80}"
 
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
