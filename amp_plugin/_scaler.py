@@ -335,11 +335,16 @@ class LossScaler:
             error=TypeError,
         )
 
-    def _scale_tensor(self, loss: Tensor) -> Tensor:
+    def _begin(self, loss: Tensor) -> Tensor:
+        """The scale tensor, for a loss backward will start from (its spike guard sees it)."""
         scale = self._policy.ensure(loss.device)
         self._iteration.scaled = True
         if self.spike_guard is not None:
             self.spike_guard.observe(loss)
+        return scale
+
+    def _scale_tensor(self, loss: Tensor) -> Tensor:
+        scale = self._begin(loss)
         if self._guard_only:  # a scale of 1 scales nothing: the loss keeps its dtype and values
             return _ScaledLoss.apply(loss) if loss.requires_grad else loss
         if loss.dtype in (torch.float16, torch.bfloat16):
@@ -357,6 +362,42 @@ class LossScaler:
         with untracked():  # the factor carries no autograd history (grad mode off costs less than a detach)
             factor = torch.add(factor, loss, alpha=0)
         return loss * factor
+
+    def backward_seed(self, loss: Tensor) -> Tensor:
+        """The gradient to start backward from: ``loss.backward(gradient=scaler.backward_seed(loss))``.
+
+        The parameters get the gradients of ``scale(loss).backward()``, bit for bit, in one launch
+        where the scaled loss takes four (its product, the ones autograd starts from and the product's
+        backward): the seed is the scale, in ``loss``'s shape, and NaN where ``loss`` is inf/NaN, so
+        that the step is skipped (1 for a guard, ones for a disabled scaler). For a one-element
+        floating-point loss, the loss ``backward()`` takes without a ``gradient``.
+        """
+        if not isinstance(loss, Tensor) or not loss.is_floating_point():
+            fail(
+                "LossScaler.backward_seed",
+                passed=f"loss={type(loss).__qualname__}"
+                + (f" of dtype={loss.dtype}" if isinstance(loss, Tensor) else ""),
+                allowed="a floating-point tensor of one element",
+                hint="pass the loss you would call backward() on.",
+                error=TypeError,
+            )
+        if loss.numel() != 1:
+            fail(
+                "LossScaler.backward_seed",
+                passed=f"loss of shape {tuple(loss.shape)}",
+                why="backward() starts only from a loss of one element without a gradient",
+                allowed="a loss of one element",
+                hint="reduce the loss first, or call scale(loss).backward(gradient) with your gradient.",
+            )
+        if not self._enabled:
+            return torch.ones_like(loss)
+        if self._sync_mode is True:  # refused here, before anything of the iteration happened
+            distributed.checked_sync_enabled(True, self.process_group)
+        scale = self._begin(loss)
+        if scale.device != loss.device:
+            scale = scale.to(loss.device, non_blocking=True)
+        with untracked():  # the seed carries no autograd history
+            return torch.add(scale, loss, alpha=0)  # the scale, NaN for an inf/NaN loss
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.

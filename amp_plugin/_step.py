@@ -108,9 +108,25 @@ class StepDriver:
         """Have the next step record :attr:`last_grad_norm` even without a norm clip (one read)."""
         self._want_norm = True
 
-    def backward_done(self) -> None:
-        """A backward ran: every optimizer may step (again) on its gradients."""
+    def backward(
+        self, loss: Any, run: Callable[..., Any], *args: Any, seedable: bool = True, **kwargs: Any
+    ) -> None:
+        """Backward from ``loss`` through the adapter's backward call ``run(loss, *args, **kwargs)``.
+
+        The scaler scales it (and makes the gradients NaN for an inf/NaN loss). Where ``run``
+        hands ``gradient=`` on to ``loss.backward`` (``seedable``) and nothing else asks for a
+        ``gradient``, a one-element loss is not scaled: backward starts from
+        :meth:`LossScaler.backward_seed` instead, the same gradients in one launch where the
+        scaled loss takes four. Afterwards every optimizer may step (again) on its gradients.
+        """
         self._stepped_since_backward.clear()
+        guard = self.scaler
+        if guard is None:
+            run(loss, *args, **kwargs)
+        elif seedable and not args and "gradient" not in kwargs and _seedable(loss):
+            run(loss, gradient=guard.backward_seed(loss), **kwargs)
+        else:
+            run(guard.scale(loss), *args, **kwargs)
 
     def not_stepped(self, optimizer: Any, run_hooks: Callable[[], Any]) -> None:
         """``training_step`` returned ``None``: run the hooks; nothing steps; the batch counts as skipped."""
@@ -368,6 +384,11 @@ def stacked_flags(flags: Sequence[Skip]) -> Tensor | None:
     if device is None:
         return None
     return torch.stack([torch.as_tensor(f, dtype=torch.float32, device=device) for f in flags])
+
+
+def _seedable(loss: Any) -> bool:
+    """Whether ``loss.backward()`` would start from ones it makes itself (a one-element float loss)."""
+    return isinstance(loss, Tensor) and loss.requires_grad and loss.is_floating_point() and loss.numel() == 1
 
 
 def read_flags(flags: Sequence[Skip]) -> list[bool]:

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-__all__ = ["hooks_observe_gradients", "lightning_module"]
+__all__ = ["backward_takes_gradient", "hooks_observe_gradients", "lightning_module"]
 
 _OBSERVING_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
 
@@ -58,3 +58,20 @@ def hooks_observe_gradients(model: LightningModule, trainer: Trainer) -> bool:
     return any(
         is_overridden("on_before_optimizer_step", cb, Callback) for cb in getattr(trainer, "callbacks", [])
     )
+
+
+def backward_takes_gradient(model: object) -> bool:
+    """Whether ``model.backward`` is ``LightningModule.backward``, which hands ``gradient=`` on to the loss.
+
+    An override may call ``loss.backward()`` its own way, so it gets a scaled loss instead.
+
+    Example:
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> class Own(BoringModel):
+        ...     def backward(self, loss, *args, **kwargs):
+        ...         loss.backward()
+        >>> backward_takes_gradient(BoringModel()), backward_takes_gradient(Own())
+        (True, False)
+    """
+    own = getattr(type(model), "backward", None) is LightningModule.backward
+    return own and "backward" not in getattr(model, "__dict__", {})

@@ -35,6 +35,7 @@ from amp_plugin.fp8 import Float8Report
 from amp_plugin.kernels import Backend, check_backend
 from amp_plugin.lightning import _compat
 from amp_plugin.lightning._checkpoint import grad_scaler_state
+from amp_plugin.lightning._checks import backward_takes_gradient
 from amp_plugin.spike import SpikeGuard, check_spike_guard
 
 __all__ = ["AMPFSDPPrecision"]
@@ -135,15 +136,16 @@ class AMPFSDPPrecision(FSDPPrecision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         _compat.before_backward_hooks(self, tensor, module)  # the hooks see the loss as computed
-        guard = self._driver.scaler  # scales for fp16; a non-finite loss makes the gradients NaN
-        return tensor if guard is None else guard.scale(tensor)
+        return tensor  # backward scales it
 
     @override
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
-        self._driver.backward_done()
-        model.backward(tensor, *args, **kwargs)  # what Precision.backward does
+        # Scaled for fp16; a non-finite loss makes the gradients NaN. model.backward is what
+        # Precision.backward calls.
+        seedable = backward_takes_gradient(model)
+        self._driver.backward(tensor, model.backward, *args, seedable=seedable, **kwargs)
 
     @override
     def optimizer_step(  # type: ignore[override]

@@ -221,24 +221,25 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        # The hooks get the loss as the user computed it; only backward sees the scaled one.
+        # The hooks get the loss as the user computed it; backward scales it.
         _compat.before_backward_hooks(self, tensor, module)
-        guard = self._run.require_driver().scaler
-        return tensor if guard is None else guard.scale(tensor)
+        return tensor
 
     @override
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
-        self._run.require_driver().backward_done()
-        # torch runs backward best with autocast off; manual_backward sits inside training_step's region
-        # (automatic optimization calls backward outside it, where there is nothing to turn off).
+        driver = self._run.require_driver()
+        # model.backward is what Precision.backward calls. torch runs backward best with autocast off;
+        # manual_backward sits inside training_step's region (automatic optimization calls backward
+        # outside it, where there is nothing to turn off).
+        seedable = checks.backward_takes_gradient(model)
         device = self.device or "cpu"
         if not torch.is_autocast_enabled(device):
-            model.backward(tensor, *args, **kwargs)  # what Precision.backward does
+            driver.backward(tensor, model.backward, *args, seedable=seedable, **kwargs)
             return
         with torch.autocast(device, enabled=False):
-            model.backward(tensor, *args, **kwargs)  # what Precision.backward does
+            driver.backward(tensor, model.backward, *args, seedable=seedable, **kwargs)
 
     @override
     def optimizer_step(  # type: ignore[override]

@@ -307,9 +307,8 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
 
     @override
     def backward(self, tensor: Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
-        self._run.require_driver().backward_done()
-        guard = self._run.require_driver().scaler  # scales for fp16; a non-finite loss makes grads NaN
-        (tensor if guard is None else guard.scale(tensor)).backward(*args, **kwargs)
+        # Scaled for fp16; a non-finite loss makes the gradients NaN.
+        self._run.require_driver().backward(tensor, _tensor_backward, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -441,3 +440,8 @@ def _repoint(opt: Optimizer, replaced: dict[Tensor, Tensor]) -> None:
 
 def _to_dtype(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _tensor_backward(tensor: Tensor, *args: Any, **kwargs: Any) -> None:
+    """What Fabric's ``Precision.backward`` does."""
+    tensor.backward(*args, **kwargs)

@@ -121,6 +121,32 @@ def test_on_before_backward_sees_the_unscaled_loss() -> None:
     assert ours.losses_seen[0] * 2**16 == pytest.approx(ref.losses_seen[0], rel=1e-6)
 
 
+class _OwnBackward(TinyModule):
+    """Overrides ``LightningModule.backward`` and calls ``loss.backward()`` its own way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward_losses: list[float] = []
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.backward_losses.append(loss.item())
+        loss.backward()
+
+
+def test_an_overridden_backward_gets_the_scaled_loss_and_trains_bit_for_bit_as_lightning() -> None:
+    """The plugin starts backward from the scaler's seed only through ``LightningModule.backward``,
+    which hands ``gradient=`` on; an override that drops it is given the scaled loss instead."""
+    (ref, ref_scaler), (ours, scaler) = _oracle(), _ours()
+    own = _OwnBackward()
+    own_scaler = LossScaler(**_scaler_kwargs())
+    _fit(own, AMPPrecision("16-mixed", device="cpu", scaler=own_scaler))
+    assert own.backward_losses[0] == pytest.approx(own.losses_seen[0] * 2**16, rel=1e-6)
+    assert own_scaler.get_scale() == scaler.get_scale() == ref_scaler.get_scale()
+    assert own_scaler.skipped_steps == scaler.skipped_steps
+    for a, b, c in zip(own.parameters(), ours.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
 class _ObservingModule(TinyModule):
     def __init__(self) -> None:
         super().__init__(poison=())

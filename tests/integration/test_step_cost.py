@@ -140,6 +140,19 @@ class _Window(Callback):
         self.mode.active = False
 
 
+class _BackwardWindow(_Window):
+    """Counts from the loss's creation to ``on_after_backward``: its scaling and its backward.
+
+    (``MixedPrecision`` scales the loss before the ``on_before_backward`` hooks, ``AMPPrecision`` after.)
+    """
+
+    def on_train_batch_start(self, trainer: Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        module.loss_made = lambda: setattr(self.mode, "active", batch_idx == BATCH)
+
+    def on_after_backward(self, trainer: Trainer, module: Any) -> None:
+        self.mode.active = False
+
+
 class _Model(LightningModule):
     def __init__(self, fused: bool) -> None:
         super().__init__()
@@ -149,7 +162,12 @@ class _Model(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self.net(x).float(), y)
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        self.loss_made()
+        return loss
+
+    def loss_made(self) -> None:
+        """Called as the loss is made (a window may start counting there)."""
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused)
@@ -166,13 +184,15 @@ class _FusedClipping(MixedPrecision):
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
 
-def _cost(plugin: Any, device: str, fused: bool, clip: float | None) -> StepCost:
+def _cost(
+    plugin: Any, device: str, fused: bool, clip: float | None, window: type[_Window] = _Window
+) -> StepCost:
     model = _Model(fused)
     mode = StepCost(list(model.parameters()), device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn((BATCH + 2) * 4, 8, generator=g)
     trainer = Trainer(
-        accelerator=device, devices=1, max_steps=BATCH + 2, plugins=[plugin], callbacks=[_Window(mode)],
+        accelerator=device, devices=1, max_steps=BATCH + 2, plugins=[plugin], callbacks=[window(mode)],
         gradient_clip_val=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
@@ -240,3 +260,20 @@ def test_guarded_batch_costs_a_handful_of_ops_over_mixed_precision(
         assert ours.host_reads == theirs.host_reads, _diff(ours, theirs)  # no wait for the GPU added
     assert ours.host_to_device <= theirs.host_to_device, _diff(ours, theirs)
     assert ours.from_python <= theirs.from_python, _diff(ours, theirs)
+
+
+@pytest.mark.parametrize(("precision", "fewer"), [("16-mixed", 2), ("bf16-mixed", 0)])
+@pytest.mark.filterwarnings("ignore:.*emulates.*")
+def test_the_guarded_backward_takes_fewer_ops_than_a_scaled_loss(
+    device: str, precision: str, fewer: int
+) -> None:
+    """Backward starts from the scaler's seed (``scale + 0 * loss``: one launch, which also makes an
+    inf/NaN loss skip its step), where a scaled loss takes three (its product, the ones autograd
+    starts from, and the product's backward); a guard's seed stands in for autograd's ones."""
+    fp16 = precision == "16-mixed"
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**8) if fp16 else None
+    lightning = MixedPrecision(precision, device=device, scaler=scaler)  # type: ignore[arg-type]
+    theirs = _cost(lightning, device, False, None, _BackwardWindow)
+    plugin = AMPPrecision(precision, device=device, scaler=LossScaler(init_scale=2.0**8) if fp16 else None)  # type: ignore[arg-type]
+    ours = _cost(plugin, device, False, None, _BackwardWindow)
+    assert ours.total - ours.views <= theirs.total - theirs.views - fewer, _diff(ours, theirs)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -73,7 +73,7 @@ def _step(
     def closure() -> torch.Tensor:
         opt.zero_grad()
         loss = (param * param).sum() * 3.0
-        plugin.scaler.scale(loss).backward()  # what pre_backward does, without its trainer hooks
+        plugin.scaler.scale(loss).backward()  # what the plugins' backward does (theirs in pre_backward)
         if rank == 1 and step == POISON_STEP:
             param.grad.view(-1)[0] = float("inf")  # rank 1's shard only
         return loss
@@ -247,8 +247,7 @@ def _guarded_step(
     def closure() -> torch.Tensor:
         opt.zero_grad()
         loss = (param * value).sum()
-        assert plugin.guard is not None
-        plugin.guard.scale(loss).backward()  # what pre_backward does, without its trainer hooks
+        plugin.backward(loss, LightningModule(), opt)  # scaled (seeded) by the guard, as in a fit
         return loss
 
     plugin._after_closure = lambda model, optimizer: None  # type: ignore[method-assign]  # no hooks here

@@ -458,3 +458,56 @@ def test_an_fp64_model_takes_every_scaler_path(path: str) -> None:
     scaler.update()
     assert scaler.skipped_steps == 0
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0-dim", "1", "1x1"])
+@pytest.mark.parametrize("init_scale", [2.0**16, 1.0, 3.0], ids=["fp16-scale", "guard", "odd"])
+def test_backward_seed_gives_the_scaled_loss_gradients_bit_for_bit(
+    device: str, dtype: torch.dtype, shape: tuple[int, ...], init_scale: float
+) -> None:
+    """``loss.backward(gradient=scaler.backward_seed(loss))`` is ``scale(loss).backward()`` in one launch."""
+    w = nn.Parameter(torch.tensor([1.5, -2.0, 0.25], device=device))
+
+    def loss() -> torch.Tensor:
+        return (w.to(dtype) * 3.0).sum().reshape(shape)
+
+    kwargs = {"dynamic": False} if init_scale == 1.0 else {}
+    scaler = LossScaler(device, init_scale=init_scale, **kwargs)  # type: ignore[arg-type]
+    scaler.scale(loss()).backward()
+    expected, w.grad = w.grad, None
+    seeded = loss()
+    seed = scaler.backward_seed(seeded)
+    assert seed.shape == seeded.shape and not seed.requires_grad
+    seeded.backward(gradient=seed)
+    assert same_bits(w.grad, expected)
+
+
+@pytest.mark.parametrize("init_scale", [2.0**16, 1.0], ids=["fp16", "guard"])
+def test_backward_seed_makes_a_nan_loss_with_finite_gradients_skip_its_step(init_scale: float) -> None:
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("cpu", init_scale=init_scale, dynamic=init_scale != 1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.ones(3, 4)).sum() + torch.log(torch.tensor(-1.0))  # NaN; its gradients are finite
+    loss.backward(gradient=scaler.backward_seed(loss))
+    assert scaler.step(opt) is None
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_backward_seed_refuses_what_backward_would_not_seed_implicitly() -> None:
+    scaler = LossScaler("cpu")
+    with pytest.raises(ValueError, match=r"(?s)loss of shape \(2,\).*one element.*HINT: .*scale\(loss\)"):
+        scaler.backward_seed(torch.ones(2, requires_grad=True))
+    with pytest.raises(TypeError, match=r"(?s)loss=int.*floating-point tensor.*HINT"):
+        scaler.backward_seed(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"(?s)dtype=torch.int64.*floating-point tensor"):
+        scaler.backward_seed(torch.tensor(3))
+    assert scaler.state_dict()["scale"] == 2.0**16
+
+
+def test_a_disabled_scaler_seeds_backward_with_ones() -> None:
+    seed = LossScaler("cpu", enabled=False).backward_seed(torch.tensor(float("nan"), requires_grad=True))
+    assert torch.equal(seed, torch.ones(()))

@@ -20,9 +20,7 @@ def _model_and_opt(fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Op
 
 
 def _backward(driver: StepDriver, model: torch.nn.Module, value: float = 1.0) -> None:
-    assert driver.scaler is not None
-    driver.backward_done()
-    driver.scaler.scale(model(torch.full((3, 4), value)).sum()).backward()
+    driver.backward(model(torch.full((3, 4), value)).sum(), torch.Tensor.backward)
 
 
 def test_the_hooks_see_unscaled_gradients_and_a_nan_they_write_skips_the_step() -> None:
@@ -148,3 +146,49 @@ def test_the_driver_keeps_the_norm_a_clip_computed_or_a_request_asked_for() -> N
     driver.request_grad_norm()
     driver.not_stepped(opt, lambda: None)  # training_step returned None: no step, no norm
     assert driver.last_grad_norm is None
+
+
+@pytest.mark.parametrize("scaler", [LossScaler("cpu", init_scale=2.0**8), None], ids=["fp16", "unguarded"])
+@pytest.mark.parametrize(
+    ("args", "kwargs", "seedable", "seeded"),
+    [
+        ((), {}, True, True),
+        ((), {"retain_graph": True}, True, True),
+        ((), {}, False, False),  # an overridden LightningModule.backward may drop gradient=
+        ((torch.tensor(2.0),), {}, True, False),  # a gradient passed positionally
+        ((), {"gradient": torch.tensor(2.0)}, True, False),
+    ],
+    ids=["plain", "retain_graph", "not-seedable", "positional-gradient", "gradient"],
+)
+def test_backward_seeds_a_plain_call_and_scales_the_loss_for_any_other(
+    scaler: LossScaler | None, args: tuple[Any, ...], kwargs: dict[str, Any], seedable: bool, seeded: bool
+) -> None:
+    """Whatever the route, the gradients are the scaled loss's: the caller's gradient times the scale."""
+    model, _ = _model_and_opt()
+    driver = StepDriver(scaler)
+    calls: list[tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]] = []
+
+    def run(loss: torch.Tensor, *a: Any, **k: Any) -> None:
+        calls.append((loss, a, k))
+        loss.backward(*a, **k)
+
+    loss = model(torch.ones(3, 4)).sum()
+    driver.backward(loss, run, *args, seedable=seedable, **kwargs)
+    (given, a, k), = calls
+    factor = 2.0**8 if scaler is not None else 1.0
+    if scaler is None:
+        assert given is loss and (a, k) == (args, kwargs)
+    elif seeded:
+        assert given is loss and a == () and torch.equal(k.pop("gradient"), torch.tensor(factor))
+        assert k == kwargs
+    else:
+        assert given is not loss and torch.equal(given, loss * factor) and (a, k) == (args, kwargs)
+    upstream = 2.0 if args or "gradient" in kwargs else 1.0
+    assert torch.equal(model.bias.grad, torch.full((2,), 3.0 * upstream * factor))
+
+
+def test_backward_scales_a_loss_of_many_elements() -> None:
+    model, _ = _model_and_opt()
+    driver = StepDriver(LossScaler("cpu", init_scale=4.0))
+    driver.backward(model(torch.ones(3, 4)), torch.Tensor.backward, gradient=torch.ones(3, 2))
+    assert torch.equal(model.bias.grad, torch.full((2,), 12.0))
