@@ -123,7 +123,15 @@ class StepDriver:
         guard = self.scaler
         if guard is None:
             run(loss, *args, **kwargs)
-        elif seedable and not args and "gradient" not in kwargs and _seedable(loss):
+        elif (  # what backward() starts from without a gradient: a one-element float loss
+            seedable
+            and not args
+            and "gradient" not in kwargs
+            and isinstance(loss, Tensor)
+            and loss.requires_grad
+            and loss.is_floating_point()
+            and loss.numel() == 1
+        ):
             run(loss, gradient=guard.backward_seed(loss), **kwargs)
         else:
             run(guard.scale(loss), *args, **kwargs)
@@ -384,11 +392,6 @@ def stacked_flags(flags: Sequence[Skip]) -> Tensor | None:
     if device is None:
         return None
     return torch.stack([torch.as_tensor(f, dtype=torch.float32, device=device) for f in flags])
-
-
-def _seedable(loss: Any) -> bool:
-    """Whether ``loss.backward()`` would start from ones it makes itself (a one-element float loss)."""
-    return isinstance(loss, Tensor) and loss.requires_grad and loss.is_floating_point() and loss.numel() == 1
 
 
 def read_flags(flags: Sequence[Skip]) -> list[bool]:

@@ -234,7 +234,7 @@ class AMPPrecision(RunView, MixedPrecision):  # type: ignore[misc]  # scaler: a 
         # manual_backward sits inside training_step's region (automatic optimization calls backward
         # outside it, where there is nothing to turn off).
         seedable = checks.backward_takes_gradient(model)
-        device = self.device or "cpu"
+        device = self._run.device or "cpu"
         if not torch.is_autocast_enabled(device):
             driver.backward(tensor, model.backward, *args, seedable=seedable, **kwargs)
             return
