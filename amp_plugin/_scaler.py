@@ -367,9 +367,10 @@ class LossScaler:
         """The gradient to start backward from: ``loss.backward(gradient=scaler.backward_seed(loss))``.
 
         The parameters get the gradients of ``scale(loss).backward()``, bit for bit, in one launch
-        where the scaled loss takes four (its product, the ones autograd starts from and the product's
-        backward): the seed is the scale, in ``loss``'s shape, and NaN where ``loss`` is inf/NaN, so
-        that the step is skipped (1 for a guard, ones for a disabled scaler). For a one-element
+        where that takes four for a loss scaler (the factor ``scale + 0 * loss``, its product with
+        the loss, the ones autograd starts from and the product's backward) and two for a guard.
+        The seed is the scale, in ``loss``'s shape, and NaN where ``loss`` is inf/NaN, so that the
+        step is skipped (1 for a guard, ones for a disabled scaler). For a one-element
         floating-point loss, the loss ``backward()`` takes without a ``gradient``.
         """
         if not isinstance(loss, Tensor) or not loss.is_floating_point():

@@ -32,9 +32,16 @@ from amp_plugin.kernels import Kernels
 __all__ = ["ShardAwareKernels", "has_dtensor", "local_shards", "shard_groups"]
 
 
+_DTENSOR: list[type] = []  # DTensor, once torch.distributed.tensor has been imported (by anyone)
+
+
 def _dtensor_type() -> type | None:
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+    if _DTENSOR:
+        return _DTENSOR[0]
+    found = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if found is not None:
+        _DTENSOR.append(found)
+    return found
 
 
 def has_dtensor(tensors: Sequence[Tensor]) -> bool:

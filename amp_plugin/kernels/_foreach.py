@@ -90,7 +90,7 @@ class TorchKernels:
         """Whether every tensor is on the CPU, where torch's unscale op has a kernel for every dtype."""
         if not self.unscale_op_lacks.isdisjoint(_CPU_HALF):  # a test's CPU that follows CUDA's rules
             return False
-        return all(tensor.is_cpu for tensor in tensors)
+        return all([tensor.is_cpu for tensor in tensors])  # a list: no generator resumed per tensor
 
     def norm(self, tensors: Sequence[Tensor], norm_type: float = 2.0, exact: bool = False) -> Tensor:
         return _total_norm(tensors, norm_type, _foreach_group_norm if exact else _group_norm)
