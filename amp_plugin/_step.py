@@ -116,7 +116,8 @@ class StepDriver:
         The scaler scales it (and makes the gradients NaN for an inf/NaN loss). Where ``run``
         hands ``gradient=`` on to ``loss.backward`` (``seedable``) and nothing else asks for a
         ``gradient``, a one-element loss is not scaled: backward starts from
-        :meth:`LossScaler.backward_seed` instead: the same gradients, in fewer launches. Afterwards every optimizer may step (again) on its gradients.
+        :meth:`LossScaler.backward_seed` instead: the same gradients, in fewer launches.
+        Afterwards every optimizer may step (again) on its gradients.
         """
         self._stepped_since_backward.clear()
         guard = self.scaler
