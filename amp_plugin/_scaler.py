@@ -379,13 +379,13 @@ class LossScaler:
                 passed=f"loss={type(loss).__qualname__}"
                 + (f" of dtype={loss.dtype}" if isinstance(loss, Tensor) else ""),
                 allowed="a floating-point tensor of one element",
-                hint="pass the loss you would call backward() on.",
+                hint="pass the loss you would call backward() on; for another, use scale(loss).backward().",
                 error=TypeError,
             )
         if loss.numel() != 1:
             fail(
                 "LossScaler.backward_seed",
-                passed=f"loss of shape {tuple(loss.shape)}",
+                passed=f"loss=Tensor of shape {tuple(loss.shape)}",
                 why="backward() starts only from a loss of one element without a gradient",
                 allowed="a loss of one element",
                 hint="reduce the loss first, or call scale(loss).backward(gradient) with your gradient.",
@@ -398,8 +398,12 @@ class LossScaler:
         if scale.device != loss.device:
             scale = scale.to(loss.device, non_blocking=True)
         # The scale, NaN for an inf/NaN loss; no autograd history (in a fit, a detach costs less
-        # than turning grad mode off and on).
-        return torch.add(scale, loss.detach(), alpha=0)
+        # than turning grad mode off and on). A half loss gets its seed in its own dtype, written
+        # by the add itself: the fp32 sum would cost autograd a cast (the same rounding).
+        loss = loss.detach()
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            return torch.add(scale, loss, alpha=0, out=torch.empty_like(loss))
+        return torch.add(scale, loss, alpha=0)
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.

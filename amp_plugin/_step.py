@@ -133,8 +133,12 @@ class StepDriver:
             and loss.numel() == 1
         ):
             run(loss, gradient=guard.backward_seed(loss), **kwargs)
-        else:
+        elif torch.is_grad_enabled():
             run(guard.scale(loss), *args, **kwargs)
+        else:  # backward under no_grad works in torch, and from the seed: the scaled loss must track too
+            with torch.enable_grad():
+                scaled = guard.scale(loss)
+            run(scaled, *args, **kwargs)
 
     def not_stepped(self, optimizer: Any, run_hooks: Callable[[], Any]) -> None:
         """``training_step`` returned ``None``: run the hooks; nothing steps; the batch counts as skipped."""

@@ -478,7 +478,8 @@ def test_backward_seed_gives_the_scaled_loss_gradients_bit_for_bit(
     expected, w.grad = w.grad, None
     seeded = loss()
     seed = scaler.backward_seed(seeded)
-    assert seed.shape == seeded.shape and not seed.requires_grad
+    # In the loss's own dtype: autograd would otherwise cast it (a launch more, the same rounding).
+    assert seed.shape == seeded.shape and seed.dtype == dtype and not seed.requires_grad
     seeded.backward(gradient=seed)
     assert same_bits(w.grad, expected)
 
@@ -499,9 +500,10 @@ def test_backward_seed_makes_a_nan_loss_with_finite_gradients_skip_its_step(init
 
 def test_backward_seed_refuses_what_backward_would_not_seed_implicitly() -> None:
     scaler = LossScaler("cpu")
-    with pytest.raises(ValueError, match=r"(?s)loss of shape \(2,\).*one element.*HINT: .*scale\(loss\)"):
+    shape = r"(?s)loss=Tensor of shape \(2,\).*one element.*HINT: .*scale\(loss\)"
+    with pytest.raises(ValueError, match=shape):
         scaler.backward_seed(torch.ones(2, requires_grad=True))
-    with pytest.raises(TypeError, match=r"(?s)loss=int.*floating-point tensor.*HINT"):
+    with pytest.raises(TypeError, match=r"(?s)loss=int.*floating-point tensor.*HINT: .*scale\(loss\)"):
         scaler.backward_seed(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"(?s)dtype=torch.int64.*floating-point tensor"):
         scaler.backward_seed(torch.tensor(3))

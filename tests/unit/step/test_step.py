@@ -192,3 +192,14 @@ def test_backward_scales_a_loss_of_many_elements() -> None:
     driver = StepDriver(LossScaler("cpu", init_scale=4.0))
     driver.backward(model(torch.ones(3, 4)), torch.Tensor.backward, gradient=torch.ones(3, 2))
     assert torch.equal(model.bias.grad, torch.full((2,), 12.0))
+
+
+@pytest.mark.parametrize("seedable", [True, False], ids=["seeded", "scaled"])
+def test_backward_under_no_grad_works_on_every_route_as_in_torch(seedable: bool) -> None:
+    """``loss.backward()`` under ``torch.no_grad()`` works in torch; so it does here, seeded or scaled."""
+    model, _ = _model_and_opt()
+    driver = StepDriver(LossScaler("cpu", init_scale=4.0))
+    loss = model(torch.ones(3, 4)).sum()
+    with torch.no_grad():
+        driver.backward(loss, torch.Tensor.backward, seedable=seedable)
+    assert torch.equal(model.bias.grad, torch.full((2,), 12.0))
