@@ -355,6 +355,41 @@ def test_lightnings_manual_clip_gradients_clips_the_scaled_gradients() -> None:
     assert step_sizes(ours) == pytest.approx([1e-3] * 3, rel=5e-2)
 
 
+class _NoGradBackward(LightningModule):
+    """Manual optimization whose backward runs under ``torch.no_grad()`` (torch allows it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.net = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        loss = self.net(batch[0]).pow(2).mean()
+        with torch.no_grad():
+            self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_backward_under_no_grad_trains_as_in_torch_where_lightnings_fp16_raises() -> None:
+    """CHANGELOG: torch's backward works under no_grad; Lightning's fp16 scales the loss there, which
+    then has no graph. Ours starts backward from the seed, and its scaled route tracks the product."""
+    lightning = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        _fit(_NoGradBackward(), lightning, steps=2)
+    module = _NoGradBackward()
+    before = module.net.weight.detach().clone()
+    scaler = LossScaler(init_scale=2.0**8)
+    _fit(module, AMPPrecision("16-mixed", device="cpu", scaler=scaler), steps=2)
+    assert scaler.total_steps == 2 and scaler.skipped_steps == 0
+    assert not torch.equal(module.net.weight, before)
+
+
 def test_manual_optimization_double_step_raises() -> None:
     class Twice(_ManualClipModule):
         def training_step(self, batch: Any, batch_idx: int) -> None:
