@@ -38,7 +38,6 @@ from amp_plugin._scale_policy import DynamicScale
 from amp_plugin._sharding import ShardAwareKernels, has_dtensor, local_shards
 from amp_plugin._validation import check_bool, check_int, check_number, fail
 from amp_plugin.kernels import Backend, get_kernels
-from amp_plugin.kernels._base import untracked
 from amp_plugin.spike import SpikeGuard, check_spike_guard
 
 __all__ = ["LossScaler"]
@@ -321,8 +320,6 @@ class LossScaler:
         """
         if not self._enabled:
             return outputs
-        if self._sync_mode is True:  # refused here, before anything of the iteration happened
-            distributed.checked_sync_enabled(True, self.process_group)
         if isinstance(outputs, Tensor):
             return cast(T, self._scale_tensor(outputs))
         if isinstance(outputs, (list, tuple)):
@@ -336,12 +333,18 @@ class LossScaler:
         )
 
     def _begin(self, loss: Tensor) -> Tensor:
-        """The scale tensor, for a loss backward will start from (its spike guard sees it)."""
+        """The scale, on ``loss``'s device, for a loss that backward will start from.
+
+        A refused ``sync_found_inf=True`` is refused here, before anything of the iteration
+        happened; the spike guard sees the loss.
+        """
+        if self._sync_mode is True:
+            distributed.checked_sync_enabled(True, self.process_group)
         scale = self._policy.ensure(loss.device)
         self._iteration.scaled = True
         if self.spike_guard is not None:
             self.spike_guard.observe(loss)
-        return scale
+        return scale if scale.device == loss.device else scale.to(loss.device, non_blocking=True)
 
     def _scale_tensor(self, loss: Tensor) -> Tensor:
         scale = self._begin(loss)
@@ -350,18 +353,14 @@ class LossScaler:
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
         # Type promotion gives the product the loss's dtype (fp64 stays fp64, integers become fp32,
-        # as torch's do): only a loss on another device needs the factor moved.
-        factor = scale if scale.device == loss.device else scale.to(loss.device, non_blocking=True)
+        # as torch's do).
         if not loss.requires_grad:
-            return loss * factor
+            return loss * scale
         # A non-finite loss can have finite gradients (a NaN from a term no parameter is in), and its
-        # step must be skipped all the same: backward multiplies by factor + 0 * loss, the factor
-        # itself (bit for bit torch's GradScaler's gradients) for a finite loss, NaN for an inf/NaN
-        # one, which the step's inf check then finds. Three launches in all, as a Python
-        # autograd.Function took, in C++: no Python runs in forward or backward.
-        with untracked():  # the factor carries no autograd history (grad mode off costs less than a detach)
-            factor = torch.add(factor, loss, alpha=0)
-        return loss * factor
+        # step must be skipped all the same: backward multiplies by the seed, scale + 0 * loss, the
+        # scale itself (bit for bit torch's GradScaler's gradients) for a finite loss, NaN for an
+        # inf/NaN one, which the step's inf check then finds. In C++: no Python runs in backward.
+        return loss * _seed(scale, loss)
 
     def backward_seed(self, loss: Tensor) -> Tensor:
         """The gradient to start backward from: ``loss.backward(gradient=scaler.backward_seed(loss))``.
@@ -392,18 +391,7 @@ class LossScaler:
             )
         if not self._enabled:
             return torch.ones_like(loss)
-        if self._sync_mode is True:  # refused here, before anything of the iteration happened
-            distributed.checked_sync_enabled(True, self.process_group)
-        scale = self._begin(loss)
-        if scale.device != loss.device:
-            scale = scale.to(loss.device, non_blocking=True)
-        # The scale, NaN for an inf/NaN loss; no autograd history (in a fit, a detach costs less
-        # than turning grad mode off and on). A half loss gets its seed in its own dtype, written
-        # by the add itself: the fp32 sum would cost autograd a cast (the same rounding).
-        loss = loss.detach()
-        if loss.dtype in (torch.float16, torch.bfloat16):
-            return torch.add(scale, loss, alpha=0, out=torch.empty_like(loss))
-        return torch.add(scale, loss, alpha=0)
+        return _seed(self._begin(loss), loss)
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN.
@@ -1018,6 +1006,19 @@ class _ScaledLoss(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         (loss,) = ctx.saved_tensors
         return torch.add(grad, loss, alpha=0)
+
+
+def _seed(scale: Tensor, loss: Tensor) -> Tensor:
+    """``scale + 0 * loss``: the scale for a finite loss, NaN for an inf/NaN one; no autograd history.
+
+    One launch (in a fit a detach costs less than turning grad mode off and on). A half loss gets
+    it in its own dtype, written by the add itself: an fp32 sum would cost autograd a cast to the
+    loss's dtype (with the same rounding).
+    """
+    loss = loss.detach()
+    if loss.dtype in (torch.float16, torch.bfloat16):
+        return torch.add(scale, loss, alpha=0, out=torch.empty_like(loss))
+    return torch.add(scale, loss, alpha=0)
 
 
 def _combined(flags: list[Tensor]) -> Tensor:

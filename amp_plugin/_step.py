@@ -133,10 +133,8 @@ class StepDriver:
             and loss.numel() == 1
         ):
             run(loss, gradient=guard.backward_seed(loss), **kwargs)
-        elif torch.is_grad_enabled():
-            run(guard.scale(loss), *args, **kwargs)
-        else:  # backward under no_grad works in torch, and from the seed: the scaled loss must track too
-            with torch.enable_grad():
+        else:
+            with torch.enable_grad():  # backward under no_grad works in torch: the product must track
                 scaled = guard.scale(loss)
             run(scaled, *args, **kwargs)
 
